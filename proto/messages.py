@@ -1,0 +1,178 @@
+"""The messages of the wire protocol as frozen dataclasses.
+
+Requests go from client to server and are answered in order by exactly one `Reply`
+(`Ok` or `Err`). `Fault`, `Waiting` and `Event` are unsolicited server lines that may
+arrive between replies. Construction does not validate; `proto.encode` does, and
+`proto.parse_request` / `proto.parse_server_line` only ever return valid messages.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from proto.errors import ErrorCode, ProtocolError
+from proto.values import PROTO_VERSION
+
+__all__ = [
+    "Acquire",
+    "Err",
+    "Event",
+    "Fault",
+    "Hello",
+    "Ok",
+    "ParkMode",
+    "Ping",
+    "Register",
+    "Release",
+    "ReleasePark",
+    "Reply",
+    "Request",
+    "ServerMessage",
+    "Status",
+    "Unregister",
+    "Waiting",
+    "Watch",
+]
+
+
+_KNOWN_CODES = frozenset(code.value for code in ErrorCode)
+
+
+class ParkMode(enum.StrEnum):
+    """How a workload is parked: by the slicer (cuda-checkpoint) or by itself."""
+
+    CHECKPOINT = "checkpoint"
+    COOPERATIVE = "cooperative"
+
+
+class ReleasePark(enum.StrEnum):
+    """When RELEASE parks: only once someone else needs the GPU, or before replying."""
+
+    LAZY = "lazy"
+    NOW = "now"
+
+
+# --- requests -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """``HELLO proto=1 [client=NAME]``: optional version handshake."""
+
+    proto: int = PROTO_VERSION
+    client: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """``PING``: liveness check, answered ``OK``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    """``REGISTER <workload> [gpu=] [pid=] [tree=1|0] [park=] [parked_max=]``."""
+
+    workload: str
+    gpu: str | None = None
+    pid: int | None = None
+    tree: bool = True
+    park: ParkMode = ParkMode.CHECKPOINT
+    parked_max: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Acquire:
+    """``ACQUIRE <workload> [wait=SECONDS]``: queue for a turn; `wait` None waits forever."""
+
+    workload: str
+    wait: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """``RELEASE <workload> turn=T [park=lazy|now]``: end turn `turn`."""
+
+    workload: str
+    turn: int
+    park: ReleasePark = ReleasePark.LAZY
+
+
+@dataclass(frozen=True, slots=True)
+class Unregister:
+    """``UNREGISTER <workload>``: end the registration (registrant only)."""
+
+    workload: str
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """``STATUS``: answered by ``OK {json}``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    """``WATCH``: answered ``OK``, then the connection streams ``EVENT`` lines."""
+
+
+Request: TypeAlias = Hello | Ping | Register | Acquire | Release | Unregister | Status | Watch
+
+
+# --- server lines ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ok:
+    """``OK [k=v ...]`` or, for STATUS, ``OK {compact json}``; never both."""
+
+    fields: dict[str, str] = field(default_factory=dict)
+    body: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Err:
+    """``ERR <code> [k=v ...] [-- text]``. A known `code` string becomes an `ErrorCode`."""
+
+    code: ErrorCode | str
+    fields: dict[str, str] = field(default_factory=dict)
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.code, ErrorCode) and self.code in _KNOWN_CODES:
+            object.__setattr__(self, "code", ErrorCode(self.code))
+
+    @classmethod
+    def from_error(cls, error: ProtocolError) -> Err:
+        """The reply to a request that failed with `error`."""
+        return cls(error.code, text=error.message)
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """``FAULT <workload> turn=T reason=R [-- text]``: park/restore failed; `turn` may be 0."""
+
+    workload: str
+    turn: int
+    reason: str
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """``WAITING <workload> turn=T waiters=N``: others now wait for the holder's GPU."""
+
+    workload: str
+    turn: int
+    waiters: int
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """``EVENT {compact json}``: one state change, streamed to WATCH connections."""
+
+    body: dict[str, Any]
+
+
+Reply: TypeAlias = Ok | Err
+ServerMessage: TypeAlias = Ok | Err | Fault | Waiting | Event

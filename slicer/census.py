@@ -1,0 +1,54 @@
+"""Attribute the device memory the backend reports to workloads, or call it foreign.
+
+A process belongs to a workload when it is the workload's registered process, or (with
+`tree=1`) a descendant of it. Ancestry is read from /proc per process that holds memory,
+so the cost grows with GPU processes (a handful), not with every process on the node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slicer import procs
+
+
+@dataclass(frozen=True, slots=True)
+class Root:
+    """A workload's registered process, as the census needs it."""
+
+    wid: int
+    pid: int
+    start_time: int
+    tree: bool
+
+
+@dataclass(slots=True)
+class Census:
+    """Device bytes per workload id, the pids behind them, and the unattributed rest."""
+
+    bytes_by_wid: dict[int, int] = field(default_factory=dict)
+    pids_by_wid: dict[int, list[int]] = field(default_factory=dict)
+    foreign: dict[int, int] = field(default_factory=dict)
+
+    def of(self, wid: int) -> int:
+        """Device bytes held by workload `wid`."""
+        return self.bytes_by_wid.get(wid, 0)
+
+
+def take(gpu_procs: dict[int, int], roots: list[Root]) -> Census:
+    """Attribute `gpu_procs` (pid -> device bytes on one GPU) to `roots`."""
+    by_ident = {(r.pid, r.start_time): r for r in roots}
+    out = Census()
+    for pid, nbytes in gpu_procs.items():
+        owner: Root | None = None
+        for depth, ident in enumerate(procs.ancestry(pid)):
+            root = by_ident.get(ident)
+            if root is not None and (root.tree or depth == 0):
+                owner = root
+                break
+        if owner is None:
+            out.foreign[pid] = nbytes
+            continue
+        out.bytes_by_wid[owner.wid] = out.bytes_by_wid.get(owner.wid, 0) + nbytes
+        out.pids_by_wid.setdefault(owner.wid, []).append(pid)
+    return out

@@ -1,0 +1,100 @@
+"""slicerd configuration: defaults, `/etc/slicer/slicer.toml` (or `--config`), then flags.
+
+Precedence: flag > environment (`SLICER_SOCKET`) > file > default. Unknown keys and bad
+values are refused with a message naming the key, so a typo never silently changes policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slicer.errors import ConfigError
+
+DEFAULT_CONFIG = Path("/etc/slicer/slicer.toml")
+DEFAULT_SOCKET = "/run/slicer/slicer.sock"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting of the daemon (see README, "Configuration")."""
+
+    socket: str = DEFAULT_SOCKET
+    socket_mode: int = 0o660
+    socket_group: str | None = None
+    state_dir: str = "/var/lib/slicer"
+    gpu_backend: str = "nvml"
+    cuda_checkpoint: str = "cuda-checkpoint"
+    park_timeout: float = 120.0
+    restore_timeout: float = 120.0
+    fault_kill_after: float = 60.0
+    foreign: str = "block"
+    log_level: str = "info"
+    max_connections: int = 1024
+    max_workloads: int = 256
+    max_queue: int = 4096
+    write_timeout: float = 10.0
+
+    def validate(self) -> Config:
+        """Return self, or raise ConfigError naming the first bad value."""
+        for key in ("park_timeout", "restore_timeout", "fault_kill_after", "write_timeout"):
+            value = getattr(self, key)
+            if not (0 < value < 86400):
+                raise ConfigError(f"{key} must be in (0, 86400) seconds, got {value}")
+        for key in ("max_connections", "max_workloads", "max_queue"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1")
+        if self.gpu_backend not in ("nvml", "fake"):
+            raise ConfigError(f"gpu_backend must be nvml or fake, got {self.gpu_backend!r}")
+        if self.foreign not in ("block", "ignore"):
+            raise ConfigError(f"foreign must be block or ignore, got {self.foreign!r}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError("log_level must be debug, info, warning or error")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ConfigError(f"socket_mode must be an octal mode, got {self.socket_mode:o}")
+        return self
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    kind = _FIELDS[key].type
+    try:
+        if key == "socket_mode" and isinstance(value, str):
+            return int(value, 8)
+        if kind == "float" and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind.startswith("str") and isinstance(value, str):
+            return value
+    except ValueError:
+        pass
+    raise ConfigError(f"config key {key}: bad value {value!r} (expected {kind})")
+
+
+def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Build the Config from the file at `path` (default if present), env and overrides."""
+    values: dict[str, Any] = {}
+    file = Path(path) if path else DEFAULT_CONFIG
+    if path or file.exists():
+        try:
+            doc = tomllib.loads(file.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config {file}: {e}") from e
+        section = doc.get("slicer", doc)
+        for key, value in section.items():
+            if key not in _FIELDS:
+                raise ConfigError(f"{file}: unknown key {key!r}")
+            values[key] = _coerce(key, value)
+    if os.environ.get("SLICER_SOCKET"):
+        values["socket"] = os.environ["SLICER_SOCKET"]
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = _coerce(key, value)
+    return Config(**values).validate()

@@ -1,0 +1,108 @@
+"""`slicerd`: the per-node GPU time-slicing daemon (entry point)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+from typing import Any
+
+import click
+import trio
+
+from slicer import __version__
+from slicer.config import Config, load
+from slicer.errors import SlicerError
+from slicer.gpu import open_backend
+from slicer.journal import Journal
+from slicer.listen import open_listener
+from slicer.notify import sd_notify, watchdog_interval
+from slicer.park import CheckpointParker, ToolRunner
+from slicer.server import Server
+from slicer.state import Limits, SlicerState
+
+log = logging.getLogger("slicer")
+
+
+def _tool_path(cfg: Config) -> str:
+    found = shutil.which(cfg.cuda_checkpoint)
+    return os.path.abspath(found or cfg.cuda_checkpoint)
+
+
+async def serve(cfg: Config, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Run the daemon for `cfg` until SIGTERM/SIGINT or cancellation."""
+    backend = open_backend(cfg.gpu_backend)
+    os.makedirs(cfg.state_dir, mode=0o750, exist_ok=True)
+    devices = backend.devices()
+    limits = Limits(
+        max_workloads=cfg.max_workloads,
+        max_queue=cfg.max_queue,
+        fault_kill_after=cfg.fault_kill_after,
+    )
+    sm = SlicerState([(d.index, d.uuid) for d in devices], limits)
+    listener, owned = open_listener(cfg.socket, cfg.socket_mode, cfg.socket_group)
+    try:
+        async with trio.open_nursery() as nursery:
+            parker = CheckpointParker(_tool_path(cfg), ToolRunner(nursery))
+            server = Server(cfg, sm, backend, parker, Journal(cfg.state_dir))
+            await nursery.start(server.run, listener)
+            log.info("slicerd %s listening on %s (%d GPUs)", __version__, cfg.socket, len(devices))
+            sd_notify("READY=1\nSTATUS=serving")
+            task_status.started(server)
+            if (every := watchdog_interval()) is not None:
+                nursery.start_soon(_watchdog, every)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("signal %d: stopping", signum)
+                    sd_notify("STOPPING=1")
+                    nursery.cancel_scope.cancel()
+                    break
+    finally:
+        if owned:
+            with contextlib.suppress(OSError):
+                os.unlink(cfg.socket)
+
+
+async def _watchdog(every: float) -> None:
+    while True:
+        sd_notify("WATCHDOG=1")
+        await trio.sleep(every)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="slicerd")
+@click.option("--config", "config_path", help="TOML file (default /etc/slicer/slicer.toml).")
+@click.option("--socket", help="Unix socket path (env SLICER_SOCKET).")
+@click.option("--socket-mode", help="Octal socket mode, e.g. 660.")
+@click.option("--socket-group", help="Group owning the socket.")
+@click.option("--state-dir", help="Directory for the restart journal.")
+@click.option("--gpu-backend", type=click.Choice(["nvml", "fake"]))
+@click.option("--cuda-checkpoint", help="Path of the cuda-checkpoint executable.")
+@click.option("--park-timeout", type=float)
+@click.option("--restore-timeout", type=float)
+@click.option("--fault-kill-after", type=float)
+@click.option("--foreign", type=click.Choice(["block", "ignore"]))
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
+def main(config_path: str | None, **flags: Any) -> None:
+    """Grant exclusive, connection-bound GPU turns over a Unix socket."""
+    try:
+        cfg = load(config_path, flags)
+    except SlicerError as e:
+        raise click.ClickException(str(e)) from e
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        trio.run(serve, cfg)
+    except SlicerError as e:
+        log.error("%s", e)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

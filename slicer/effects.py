@@ -1,0 +1,147 @@
+"""Effects: what the state machine asks the server to do.
+
+The state machine never performs I/O; each of its methods returns a list of these, in the
+order the server must perform them. Connections are plain integers chosen by the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from slicer.errors import RequestError
+
+ConnId = int
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Reply OK to an ACQUIRE: `conn` now holds `turn` of `workload`."""
+
+    conn: ConnId
+    workload: str
+    turn: int
+    restored: bool
+    waited_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Reply OK with these fields to the request `conn` is waiting on."""
+
+    conn: ConnId
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Deny:
+    """Reply ERR (mapped from `error` at the edge) to the request `conn` is waiting on."""
+
+    conn: ConnId
+    error: RequestError
+
+
+@dataclass(frozen=True, slots=True)
+class Park:
+    """Park `workload` (its processes) on `gpu`; report with `SlicerState.park_done(op)`."""
+
+    op: int
+    wid: int
+    workload: str
+    gpu: int
+    mode: str
+    parked_max: int
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Restore `workload` onto `gpu`; report with `SlicerState.restore_done(op)`."""
+
+    op: int
+    wid: int
+    workload: str
+    gpu: int
+    pids: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """Check through the GPU backend that nothing but `workload` is resident on `gpu` and
+    that `need` bytes are free; report with `SlicerState.verified(op)`."""
+
+    op: int
+    gpu: int
+    wid: int
+    need: int
+
+
+@dataclass(frozen=True, slots=True)
+class Recheck:
+    """Call `SlicerState.recheck(gpu)` after `delay` seconds (a blocked GPU polls)."""
+
+    gpu: int
+    delay: float
+
+
+@dataclass(frozen=True, slots=True)
+class SendFault:
+    """Send `FAULT workload turn=T reason=R -- text` to the registrant `conn`."""
+
+    conn: ConnId
+    workload: str
+    turn: int
+    reason: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendWaiting:
+    """Send `WAITING workload turn=T waiters=N` to the holder `conn`."""
+
+    conn: ConnId
+    workload: str
+    turn: int
+    waiters: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reap:
+    """Watch a faulted or orphaned workload's processes: report their GPU memory with
+    `SlicerState.memory_report`, and kill them after `kill_after` seconds (never if None)."""
+
+    wid: int
+    workload: str
+    gpu: int
+    pid: int
+    start_time: float
+    tree: bool
+    kill_after: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    """Broadcast one `EVENT {json}` to watchers."""
+
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Persist:
+    """The recovery journal changed: write `SlicerState.journal()`."""
+
+
+Effect = (
+    Grant
+    | Reply
+    | Deny
+    | Park
+    | Restore
+    | Verify
+    | Recheck
+    | SendFault
+    | SendWaiting
+    | Reap
+    | Emit
+    | Persist
+)

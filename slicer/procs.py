@@ -1,0 +1,89 @@
+"""Process identity from /proc: (pid, start time) pairs, ancestry, trees, kills.
+
+A process is always named by its pid *and* its start time (clock ticks since boot, field
+22 of /proc/PID/stat), so a reused pid is never mistaken for the process we registered.
+Reading /proc directly keeps the hot path (verify before every grant) in microseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+
+import psutil
+
+Ident = tuple[int, int]
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, start ticks) of a live process, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses: split after the last ")".
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    if fields[0] == b"Z":
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of live process `pid`, or None when there is none (or a zombie)."""
+    st = _stat(pid)
+    return None if st is None else st[1]
+
+
+def owner_uid(pid: int) -> int | None:
+    """The real uid owning process `pid`, or None."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def alive(ident: Ident) -> bool:
+    """True while the process named by (pid, start time) lives."""
+    return start_time(ident[0]) == ident[1]
+
+
+def ancestry(pid: int, limit: int = 64) -> Iterator[Ident]:
+    """`pid` itself, then each of its ancestors, as (pid, start time)."""
+    for _ in range(limit):
+        st = _stat(pid)
+        if st is None:
+            return
+        yield pid, st[1]
+        if st[0] <= 1:
+            return
+        pid = st[0]
+
+
+def tree(ident: Ident, descendants: bool = True) -> list[int]:
+    """The live pids of the process and (optionally) all its descendants."""
+    if not alive(ident):
+        return []
+    pids = [ident[0]]
+    if descendants:
+        with contextlib.suppress(psutil.Error):
+            pids += [c.pid for c in psutil.Process(ident[0]).children(recursive=True)]
+    return pids
+
+
+def kill_tree(ident: Ident, descendants: bool = True, sig: int = signal.SIGKILL) -> int:
+    """Send `sig` to the process and its descendants; returns how many were signalled."""
+    n = 0
+    for pid in tree(ident, descendants):
+        try:
+            os.kill(pid, sig)
+            n += 1
+        except ProcessLookupError:
+            pass
+    return n

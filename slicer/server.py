@@ -1,0 +1,515 @@
+"""The trio server: Unix socket, framing, peer credentials, and the effects executor.
+
+The server decides nothing. It parses a line, asks `SlicerState`, and performs the effects
+it gets back in order: replies and events go into each connection's bounded outbox (a
+client that stops reading is dropped, never waited for); parks and restores run as tasks,
+one GPU never waiting for another; verification reads the GPU backend inline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import struct
+import time
+from collections import deque
+from typing import Any
+
+import trio
+
+import proto
+from proto import Err, ErrorCode, Fault, Ok, Waiting
+from slicer import __version__, census, errors, procs
+from slicer.config import Config
+from slicer.effects import (
+    Deny,
+    Effect,
+    Emit,
+    Grant,
+    Park,
+    Persist,
+    Reap,
+    Recheck,
+    Reply,
+    Restore,
+    SendFault,
+    SendWaiting,
+    Verify,
+)
+from slicer.gpu import GpuBackend
+from slicer.journal import Journal
+from slicer.park import CheckpointParker, Outcome
+from slicer.state import ProcessInfo, SlicerState
+
+log = logging.getLogger("slicer.server")
+
+OUTBOX = 1024  # lines; a watcher further behind than this is dropped
+MAX_BACKLOG = 64  # requests pipelined behind one that waits
+REAP_EVERY = 0.25
+
+_CODES: dict[type[errors.RequestError], ErrorCode] = {
+    errors.UnknownWorkload: ErrorCode.UNKNOWN_WORKLOAD,
+    errors.Exists: ErrorCode.EXISTS,
+    errors.Forbidden: ErrorCode.FORBIDDEN,
+    errors.NoSuchProcess: ErrorCode.NO_SUCH_PROCESS,
+    errors.UnknownGpu: ErrorCode.UNKNOWN_GPU,
+    errors.Busy: ErrorCode.BUSY,
+    errors.Timeout: ErrorCode.TIMEOUT,
+    errors.Faulted: ErrorCode.FAULTED,
+    errors.Gone: ErrorCode.GONE,
+    errors.RestoreFailed: ErrorCode.RESTORE_FAILED,
+    errors.NotHolder: ErrorCode.NOT_HOLDER,
+    errors.NotRegistrant: ErrorCode.NOT_REGISTRANT,
+    errors.ParkFailed: ErrorCode.PARK_FAILED,
+    errors.LimitReached: ErrorCode.LIMIT,
+}
+
+
+def error_code(error: errors.RequestError) -> ErrorCode:
+    """The wire code of a refusal (the protocol edge)."""
+    return _CODES.get(type(error), ErrorCode.BAD_REQUEST)
+
+
+def peer_credentials(sock: trio.socket.SocketType) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the peer, from SO_PEERCRED."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+class Connection:
+    """One client: its stream, outbox, and the request it is waiting on."""
+
+    def __init__(self, cid: int, stream: trio.SocketStream, pid: int, uid: int) -> None:
+        self.cid, self.stream, self.pid, self.uid = cid, stream, pid, uid
+        self.outbox, self._inbox = trio.open_memory_channel[bytes](OUTBOX)
+        self.pending = False
+        self.backlog: deque[bytes] = deque()
+        self.watching = False
+        self.wait_scope: trio.CancelScope | None = None
+        self.nursery: trio.Nursery | None = None
+        self.dropped = ""
+
+    def send(self, data: bytes) -> None:
+        """Queue one line; drop the connection when its outbox is full."""
+        if self.dropped:
+            return
+        try:
+            self.outbox.send_nowait(data)
+        except trio.WouldBlock:
+            self.drop("client stopped reading")
+        except trio.ClosedResourceError:
+            pass
+
+    def drop(self, why: str) -> None:
+        """Close the connection from our side."""
+        if not self.dropped:
+            self.dropped = why
+            log.warning("dropping connection %d (pid %d): %s", self.cid, self.pid, why)
+        if self.nursery is not None:
+            self.nursery.cancel_scope.cancel()
+
+    async def writer(self, write_timeout: float) -> None:
+        """Send queued lines, batching whatever is ready; drop on a stuck peer."""
+        async with self._inbox:
+            async for first in self._inbox:
+                batch = [first]
+                while True:
+                    try:
+                        batch.append(self._inbox.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                with trio.move_on_after(write_timeout) as cs:
+                    try:
+                        await self.stream.send_all(b"".join(batch))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        self.drop("peer closed")
+                        return
+                if cs.cancelled_caught:
+                    self.drop(f"write blocked for {write_timeout}s")
+                    return
+
+
+class Server:
+    """Serves the protocol for one `SlicerState` and performs its effects."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        sm: SlicerState,
+        backend: GpuBackend,
+        parker: CheckpointParker,
+        journal: Journal,
+    ) -> None:
+        self.cfg, self.sm, self.backend, self.parker, self.journal = (
+            cfg,
+            sm,
+            backend,
+            parker,
+            journal,
+        )
+        self.conns: dict[int, Connection] = {}
+        self._ids = itertools.count(1)
+        self._nursery: trio.Nursery | None = None
+        self._rechecks: set[int] = set()
+        self.started = time.monotonic()
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def run(
+        self,
+        listener: trio.SocketListener,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Recover from the journal, then serve `listener` until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            note = await self.parker.probe()
+            if note:
+                log.warning("%s", note)
+            self._recover()
+            await nursery.start(trio.serve_listeners, self._handle, [listener])
+            task_status.started()
+
+    def _recover(self) -> None:
+        entries = self.journal.load()
+        for e in entries:
+            ident = (int(e.get("pid", 0)), int(e.get("start_time", 0)))
+            e["alive"] = procs.alive(ident)
+            e["resident_bytes"] = 0
+        by_gpu: dict[int, list[dict[str, Any]]] = {}
+        for e in entries:
+            if e["alive"]:
+                by_gpu.setdefault(int(e["gpu"]), []).append(e)
+        for gpu, group in by_gpu.items():
+            roots = [
+                census.Root(i, int(e["pid"]), int(e["start_time"]), bool(e["tree"]))
+                for i, e in enumerate(group)
+            ]
+            try:
+                taken = census.take(self.backend.processes(gpu), roots)
+            except Exception as ex:
+                # Unknown memory counts as resident: it will be parked before any grant.
+                log.error("cannot read GPU %d during recovery: %s", gpu, ex)
+                taken = census.Census(bytes_by_wid={i: 1 << 62 for i in range(len(group))})
+            for i, e in enumerate(group):
+                e["resident_bytes"] = taken.of(i)
+        log.info("recovered %d journaled workloads", sum(1 for e in entries if e["alive"]))
+        self._apply(self.sm.adopt_journal(entries, trio.current_time()))
+
+    # ---- connections -----------------------------------------------------------------
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        try:
+            pid, uid, _gid = peer_credentials(stream.socket)
+        except OSError:
+            await stream.aclose()
+            return
+        if len(self.conns) >= self.cfg.max_connections:
+            with trio.move_on_after(1):
+                err = Err(ErrorCode.LIMIT, text=f"at most {self.cfg.max_connections} connections")
+                await stream.send_all(proto.encode(err))
+            await stream.aclose()
+            return
+        conn = Connection(next(self._ids), stream, pid, uid)
+        self.conns[conn.cid] = conn
+        self.sm.connect(conn.cid, uid, pid)
+        try:
+            async with trio.open_nursery() as n:
+                conn.nursery = n
+                n.start_soon(conn.writer, self.cfg.write_timeout)
+                flush = await self._reader(conn)
+                if flush:
+                    conn.outbox.close()  # the writer sends what is queued, then ends
+                else:
+                    n.cancel_scope.cancel()
+        finally:
+            del self.conns[conn.cid]
+            self._apply(self.sm.conn_closed(conn.cid, trio.current_time()))
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await stream.aclose()
+
+    async def _reader(self, conn: Connection) -> bool:
+        """Read lines until EOF (False) or a line too long (True: flush the ERR, close)."""
+        buf = proto.LineBuffer()
+        while True:
+            try:
+                data = await conn.stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return False
+            if not data:
+                return False
+            try:
+                lines = buf.feed(data)
+            except proto.LineTooLong as e:
+                conn.send(proto.encode(Err.from_error(e)))
+                return True
+            for line in lines:
+                if conn.watching:
+                    continue  # a WATCH stream takes no more requests
+                if conn.pending or conn.backlog:
+                    if len(conn.backlog) >= MAX_BACKLOG:
+                        conn.drop(f"more than {MAX_BACKLOG} requests pipelined")
+                        return False
+                    conn.backlog.append(line)
+                else:
+                    self._dispatch(conn, line)
+
+    def _dispatch(self, conn: Connection, line: bytes) -> None:
+        try:
+            req = proto.parse_request(line)
+        except proto.ProtocolError as e:
+            conn.send(proto.encode(Err.from_error(e)))
+            return
+        now = trio.current_time()
+        fx: list[Effect] = []
+        try:
+            match req:
+                case proto.Hello():
+                    conn.send(proto.encode(Ok({"proto": "1", "server": f"slicer/{__version__}"})))
+                case proto.Ping():
+                    conn.send(b"OK\n")
+                case proto.Register():
+                    conn.pending = True
+                    fx = self._register(conn, req, now)
+                case proto.Acquire():
+                    conn.pending = True
+                    fx = self.sm.acquire(conn.cid, req.workload, now)
+                    if req.wait is not None and conn.pending and conn.nursery is not None:
+                        conn.nursery.start_soon(self._wait_timer, conn, req.wait)
+                case proto.Release():
+                    conn.pending = True
+                    park_now = req.park is proto.ReleasePark.NOW
+                    fx = self.sm.release(conn.cid, req.workload, req.turn, park_now, now)
+                case proto.Unregister():
+                    conn.pending = True
+                    fx = self.sm.unregister(conn.cid, req.workload, now)
+                case proto.Status():
+                    conn.send(proto.encode(Ok(body=self.status())))
+                case proto.Watch():
+                    conn.watching = True
+                    conn.send(b"OK\n")
+        except errors.RequestError as e:
+            conn.pending = False
+            conn.send(proto.encode(Err(error_code(e), text=str(e))))
+            return
+        self._apply(fx)
+
+    def _register(self, conn: Connection, req: proto.Register, now: float) -> list[Effect]:
+        gpu = self.sm.resolve_gpu(req.gpu)
+        pid = req.pid if req.pid is not None else conn.pid
+        start, uid = procs.start_time(pid), procs.owner_uid(pid)
+        if start is None or uid is None:
+            raise errors.NoSuchProcess(f"no live process {pid}")
+        info = ProcessInfo(pid=pid, start_time=start, uid=uid)
+        # Measure what the new workload already holds (before it is known, its memory
+        # would read as foreign): a probe root with a wid no workload has.
+        taken = census.take(self.backend.processes(gpu), [census.Root(0, pid, start, req.tree)])
+        return self.sm.register(
+            conn.cid,
+            req.workload,
+            gpu,
+            info,
+            req.tree,
+            str(req.park),
+            req.parked_max,
+            taken.of(0),
+            now,
+        )
+
+    async def _wait_timer(self, conn: Connection, wait: float) -> None:
+        with trio.CancelScope() as scope:
+            conn.wait_scope = scope
+            await trio.sleep(wait)
+            self._apply(self.sm.wait_expired(conn.cid, trio.current_time()))
+
+    # ---- effects ---------------------------------------------------------------------
+
+    def _reply(self, cid: int, data: bytes, resumed: list[Connection]) -> None:
+        conn = self.conns.get(cid)
+        if conn is None:
+            return
+        conn.send(data)
+        conn.pending = False
+        if conn.wait_scope is not None:
+            conn.wait_scope.cancel()
+            conn.wait_scope = None
+        resumed.append(conn)
+
+    def _apply(self, fx: list[Effect]) -> None:
+        """Perform effects in order (Verify feeds its result back in place)."""
+        work = deque(fx)
+        persist = False
+        resumed: list[Connection] = []
+        nursery = self._nursery
+        assert nursery is not None
+        while work:
+            e = work.popleft()
+            match e:
+                case Grant():
+                    fields = {
+                        "turn": str(e.turn),
+                        "restored": "1" if e.restored else "0",
+                        "waited_ms": str(e.waited_ms),
+                    }
+                    self._reply(e.conn, proto.encode(Ok(fields)), resumed)
+                case Reply():
+                    self._reply(e.conn, proto.encode(Ok(e.fields)), resumed)
+                case Deny():
+                    err = Err(error_code(e.error), text=str(e.error))
+                    self._reply(e.conn, proto.encode(err), resumed)
+                case Verify():
+                    work.extend(self.sm.verified(e.op, self._blockers(e), trio.current_time()))
+                case Park():
+                    nursery.start_soon(self._park, e)
+                case Restore():
+                    nursery.start_soon(self._restore, e)
+                case Recheck():
+                    if e.gpu not in self._rechecks:
+                        self._rechecks.add(e.gpu)
+                        nursery.start_soon(self._recheck, e)
+                case SendFault():
+                    log.error(
+                        "FAULT %s turn=%d reason=%s: %s", e.workload, e.turn, e.reason, e.text
+                    )
+                    if (c := self.conns.get(e.conn)) is not None:
+                        c.send(proto.encode(Fault(e.workload, e.turn, e.reason, e.text)))
+                case SendWaiting():
+                    if (c := self.conns.get(e.conn)) is not None:
+                        c.send(proto.encode(Waiting(e.workload, e.turn, e.waiters)))
+                case Reap():
+                    nursery.start_soon(self._reap, e)
+                case Emit():
+                    self._broadcast(e.body)
+                case Persist():
+                    persist = True
+        if persist:
+            self._persist()
+        for conn in resumed:
+            while conn.backlog and not conn.pending and conn.cid in self.conns:
+                self._dispatch(conn, conn.backlog.popleft())
+
+    def _persist(self) -> None:
+        try:
+            self.journal.save(self.sm.journal())
+        except OSError as e:
+            log.error("cannot write journal %s: %s", self.journal.path, e)
+
+    def _broadcast(self, body: dict[str, Any]) -> None:
+        watchers = [c for c in self.conns.values() if c.watching]
+        if not watchers:
+            return
+        line = proto.encode(proto.Event(body))
+        for c in watchers:
+            c.send(line)
+
+    def _roots(self, gpu: int) -> list[census.Root]:
+        return [
+            census.Root(w.wid, w.pid, int(w.start_time), w.tree)
+            for w in self.sm.workloads()
+            if w.gpu == gpu
+        ]
+
+    def _census(self, gpu: int) -> census.Census:
+        return census.take(self.backend.processes(gpu), self._roots(gpu))
+
+    def _blockers(self, e: Verify) -> list[dict[str, Any]]:
+        """What, per the backend, keeps workload `e.wid` from being granted `e.gpu`."""
+        try:
+            taken = self._census(e.gpu)
+            out: list[dict[str, Any]] = []
+            if self.cfg.foreign == "block":
+                out += [{"pid": p, "bytes": b} for p, b in sorted(taken.foreign.items())]
+            for w in self.sm.workloads():
+                if w.gpu == e.gpu and w.wid != e.wid and taken.of(w.wid) > w.parked_max:
+                    out.append({"workload": w.name, "pid": w.pid, "bytes": taken.of(w.wid)})
+            if e.need:
+                free = self.backend.free_bytes(e.gpu)
+                if free < e.need:
+                    out.append({"reason": "no-room", "need": e.need, "free": free})
+            return out
+        except Exception as ex:
+            log.error("GPU %d cannot be verified: %s", e.gpu, ex)
+            return [{"reason": "backend-error", "error": str(ex)[:200]}]
+
+    async def _park(self, e: Park) -> None:
+        t0 = time.monotonic()
+        before_bytes, after_bytes = 0, 0
+        pids: tuple[int, ...] = ()
+        try:
+            before = self._census(e.gpu)
+            before_bytes = before.of(e.wid)
+            pids = tuple(before.pids_by_wid.get(e.wid, []))
+            out = Outcome(True)
+            if e.mode == "checkpoint" and pids:
+                out = await self.parker.park(list(pids), self.cfg.park_timeout)
+            if out.ok:
+                after_bytes = self._census(e.gpu).of(e.wid)
+                if after_bytes > e.parked_max:
+                    out = Outcome(
+                        False,
+                        "still-resident",
+                        f"{after_bytes} bytes still on GPU {e.gpu} after park "
+                        f"(parked_max={e.parked_max})",
+                    )
+        except Exception as ex:
+            out = Outcome(False, "park-error", str(ex)[:300])
+        ms = int((time.monotonic() - t0) * 1000)
+        moved = max(0, before_bytes - after_bytes)
+        now = trio.current_time()
+        self._apply(self.sm.park_done(e.op, out.ok, ms, moved, pids, out.reason, out.text, now))
+
+    async def _restore(self, e: Restore) -> None:
+        t0 = time.monotonic()
+        pids = [p for p in e.pids if procs.start_time(p) is not None]
+        try:
+            out = await self.parker.restore(pids, self.cfg.restore_timeout)
+        except Exception as ex:
+            out = Outcome(False, "restore-error", str(ex)[:300])
+        ms = int((time.monotonic() - t0) * 1000)
+        now = trio.current_time()
+        self._apply(self.sm.restore_done(e.op, out.ok, ms, out.reason, out.text, now))
+
+    async def _recheck(self, e: Recheck) -> None:
+        await trio.sleep(e.delay)
+        self._rechecks.discard(e.gpu)
+        self._apply(self.sm.recheck(e.gpu, trio.current_time()))
+
+    async def _reap(self, e: Reap) -> None:
+        ident = (e.pid, int(e.start_time))
+        started = trio.current_time()
+        killed = False
+        while True:
+            alive = procs.alive(ident)
+            try:
+                nbytes = self._census(e.gpu).of(e.wid)
+            except Exception:
+                nbytes = 1  # unknown: keep the GPU taken
+            fx, done = self.sm.memory_report(e.wid, alive, nbytes, trio.current_time())
+            self._apply(fx)
+            if done:
+                return
+            late = e.kill_after is not None and trio.current_time() - started >= e.kill_after
+            if alive and late and not killed:
+                n = procs.kill_tree(ident, e.tree)
+                log.error("killed %d processes of faulted workload %s", n, e.workload)
+                killed = True
+            await trio.sleep(REAP_EVERY)
+
+    # ---- status ----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The STATUS body: version, uptime, GPUs, workloads (with live pids), totals."""
+        body = self.sm.status()
+        by_name = {(w.name, w.wid): w for w in self.sm.workloads()}
+        for entry, w in zip(body["workloads"], by_name.values(), strict=True):
+            entry["pids"] = procs.tree((w.pid, int(w.start_time)), w.tree)
+        return {
+            "version": __version__,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "connections": len(self.conns),
+            "tools_running": self.parker.runner.running,
+            **body,
+        }
