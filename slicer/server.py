@@ -225,11 +225,25 @@ class Server:
                     conn.outbox.close()  # the writer sends what is queued, then ends
                 else:
                     n.cancel_scope.cancel()
+            if flush and not conn.dropped:
+                await self._linger(stream)
         finally:
             del self.conns[conn.cid]
             self._apply(self.sm.conn_closed(conn.cid, trio.current_time()))
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await stream.aclose()
+
+    @staticmethod
+    async def _linger(stream: trio.SocketStream) -> None:
+        # Closing with unread input makes the kernel send RST, which can destroy the ERR
+        # we just sent: half-close, then discard input briefly (bounded) before closing.
+        with trio.move_on_after(1):
+            try:
+                await stream.send_eof()
+                while await stream.receive_some(65536):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
 
     async def _reader(self, conn: Connection) -> bool:
         """Read lines until EOF (False) or a line too long (True: flush the ERR, close)."""
