@@ -99,8 +99,8 @@ class Connection:
             self.outbox.send_nowait(data)
         except trio.WouldBlock:
             self.drop("client stopped reading")
-        except trio.ClosedResourceError:
-            pass
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # the connection is closing; its handler cleans up
 
     def drop(self, why: str) -> None:
         """Close the connection from our side."""
@@ -216,6 +216,7 @@ class Server:
         conn = Connection(next(self._ids), stream, pid, uid)
         self.conns[conn.cid] = conn
         self.sm.connect(conn.cid, uid, pid)
+        flush = False
         try:
             async with trio.open_nursery() as n:
                 conn.nursery = n
@@ -227,9 +228,15 @@ class Server:
                     n.cancel_scope.cancel()
             if flush and not conn.dropped:
                 await self._linger(stream)
+        except Exception:
+            # One connection's trouble must never take the daemon (and every turn) down.
+            log.exception("connection %d (pid %d) failed", conn.cid, pid)
         finally:
             del self.conns[conn.cid]
-            self._apply(self.sm.conn_closed(conn.cid, trio.current_time()))
+            try:
+                self._apply(self.sm.conn_closed(conn.cid, trio.current_time()))
+            except Exception:
+                log.exception("closing connection %d failed", conn.cid)
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await stream.aclose()
 

@@ -115,7 +115,7 @@ class SlicerState:
         touched: set[int] = set()
         if info.waiting_on is not None:
             gpu = self.gpus[info.waiting_on]
-            gpu.queue.pop(conn, None)
+            self._unqueue(gpu, gpu.queue[conn])
             touched.add(gpu.index)
         held = self._holding(conn)
         if held is not None:
@@ -182,6 +182,9 @@ class SlicerState:
             )
             if resident_bytes > parked_max:
                 w.to(WState.IDLE)
+                others = [x for x in self._on_gpu(self.gpus[gpu_index]) if x.state in RESIDENT]
+                # The newcomer is parked at once; whoever was resident first stays.
+                w.must_park = bool(others)
             event = "registered"
         self.registered[name] = w
         fx.append(Reply(conn, {"workload": name, "gpu": str(w.gpu), "state": str(w.state)}))
@@ -218,8 +221,8 @@ class SlicerState:
         if peer is None or peer.waiting_on is None:
             return []
         gpu = self.gpus[peer.waiting_on]
-        waiter = gpu.queue.pop(conn)
-        peer.waiting_on = None
+        waiter = gpu.queue[conn]
+        self._unqueue(gpu, waiter)
         waited = int((now - waiter.since) * 1000)
         fx: list[Effect] = [Deny(conn, errors.Timeout(f"not granted within {waited} ms"))]
         return fx + self._reconcile(gpu, now)
@@ -309,9 +312,11 @@ class SlicerState:
         w = op.workload
         fx: list[Effect] = []
         if not ok:
-            fx += self._fault(w, reason, text or f"restore failed: {reason}", now)
-            for waiter in [x for x in gpu.queue.values() if x.workload is w]:
+            waiters = [x for x in gpu.queue.values() if x.workload is w]
+            for waiter in waiters:
                 self._unqueue(gpu, waiter)
+            fx += self._fault(w, reason, text or f"restore failed: {reason}", now)
+            for waiter in waiters:
                 fx.append(Deny(waiter.conn, errors.RestoreFailed(f"{w.name}: {reason}")))
             return fx + self._reconcile(gpu, now)
         w.restores += 1
@@ -500,6 +505,9 @@ class SlicerState:
         peer = self.conns.get(waiter.conn)
         if peer is not None:
             peer.waiting_on = None
+        if self._others_waiting(gpu) == 0:
+            # WAITING goes out on every change from zero to non-zero during a turn.
+            gpu.waiting_sent = False
 
     def _others_waiting(self, gpu: Gpu) -> int:
         mine = gpu.holder.workload if gpu.holder is not None else None
@@ -562,6 +570,10 @@ class SlicerState:
         fx: list[Effect] = [self._event("fault", w, now, reason=reason), Persist()]
         if w.registrant is not None:
             fx.append(SendFault(w.registrant, w.name, w.last_turn, reason, text))
+        gpu = self.gpus[w.gpu]
+        for waiter in [x for x in gpu.queue.values() if x.workload is w]:
+            self._unqueue(gpu, waiter)
+            fx.append(Deny(waiter.conn, errors.Faulted(f"workload {w.name} faulted: {reason}")))
         fx.append(self._reap(w, kill_after=self.limits.fault_kill_after))
         return fx
 
@@ -609,12 +621,15 @@ class SlicerState:
         holder_w = gpu.holder.workload if gpu.holder is not None else None
         head = gpu.head()
         head_w = head.workload if head is not None else None
-        for w in residents:
-            if w.state is not WState.IDLE:
-                continue
+        idle = [w for w in residents if w.state is WState.IDLE]
+        # Dirty or abandoned workloads first, then whoever stands between the head and
+        # the GPU (or crowds it next to another resident).
+        for w in idle:
+            if w.must_park or w.detached:
+                return self._start_park(gpu, w, now)
+        for w in idle:
             crowded = len(residents) > 1 and w is not holder_w
-            other_first = w is not head_w and (head_w is not None or crowded)
-            if w.must_park or w.detached or other_first:
+            if w is not head_w and (head_w is not None or crowded):
                 return self._start_park(gpu, w, now)
         if any(w.state is WState.FAULTED for w in residents):
             return []

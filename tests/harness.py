@@ -170,6 +170,11 @@ async def running_stack(
     try:
         yield stack
         assert stack.overlaps() == 0, stack.ledger.overlap_log()
+    except BaseException:
+        if stack.log is not None and stack.log.exists():
+            print("---- slicerd log (tail) ----")
+            print(stack.log.read_text()[-6000:])
+        raise
     finally:
         if stack.proc is not None:
             stack.proc.kill()
