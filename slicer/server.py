@@ -299,7 +299,11 @@ class Server:
                     conn.pending = True
                     fx = self.sm.acquire(conn.cid, req.workload, now)
                     if req.wait is not None and conn.pending and conn.nursery is not None:
-                        conn.nursery.start_soon(self._wait_timer, conn, req.wait)
+                        # The scope exists before the task runs, so a grant that comes
+                        # first always cancels it (a stale timer must never expire a
+                        # later ACQUIRE of the same connection).
+                        conn.wait_scope = trio.CancelScope(deadline=trio.current_time() + req.wait)
+                        conn.nursery.start_soon(self._wait_timer, conn, conn.wait_scope)
                 case proto.Release():
                     conn.pending = True
                     park_now = req.park is proto.ReleasePark.NOW
@@ -340,10 +344,11 @@ class Server:
             now,
         )
 
-    async def _wait_timer(self, conn: Connection, wait: float) -> None:
-        with trio.CancelScope() as scope:
-            conn.wait_scope = scope
-            await trio.sleep(wait)
+    async def _wait_timer(self, conn: Connection, scope: trio.CancelScope) -> None:
+        with scope:
+            await trio.sleep_forever()
+        if scope.cancelled_caught and conn.wait_scope is scope:
+            conn.wait_scope = None
             self._apply(self.sm.wait_expired(conn.cid, trio.current_time()))
 
     # ---- effects ---------------------------------------------------------------------
