@@ -219,3 +219,39 @@ async def test_socket_permissions_and_status_shape() -> None:
             assert st["gpus"][0]["uuid"].startswith("GPU-")
             assert socket.AF_UNIX  # the daemon only listens on a Unix socket
             assert stack.overlaps() == 0
+
+
+async def test_limits_answer_err_limit_and_change_nothing() -> None:
+    with trio.fail_after(60):
+        import tempfile
+        from pathlib import Path
+
+        conf = Path(tempfile.mkdtemp()) / "slicer.toml"
+        conf.write_text("max_connections = 5\nmax_workloads = 1\nmax_queue = 1\n")
+        async with running_stack("--config", str(conf)) as stack:
+            a, b = await stack.client(), await stack.client()
+            await a.register("one", pid=stack.sleeper())
+            with pytest.raises(ClientError) as e:
+                await b.register("two", pid=stack.sleeper())
+            assert e.value.code == "limit"
+            t = await a.acquire("one")
+            c = await stack.client()
+            async with trio.open_nursery() as n:
+                n.start_soon(b.acquire, "one")
+                await stack.until(lambda st: len(st["gpus"][0]["queue"]) == 1, timeout=10)
+                with pytest.raises(ClientError) as e:
+                    await c.acquire("one")
+                assert e.value.code == "limit"
+                # a sixth connection is refused with ERR limit, and nothing else changes
+                d, e5 = await stack.client(), await stack.client()
+                replies = await raw_exchange(stack.socket, [b"PING\n"])
+                assert replies[0].startswith(b"ERR limit")
+                await d.ping()
+                await d.aclose()
+                await e5.aclose()
+                await a.release("one", t.turn)
+            st = await c.status()
+            assert [w["name"] for w in st["workloads"]] == ["one"]
+            for x in (a, b, c):
+                await x.aclose()
+            assert stack.overlaps() == 0
