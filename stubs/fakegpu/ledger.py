@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -95,6 +96,7 @@ class Ledger:
                 raise FakeGpuError("FAKEGPU_DIR is not set and no ledger directory was given")
         self.directory = Path(directory)
         self.path = self.directory / DB_NAME
+        self._readers: dict[tuple[int, int], sqlite3.Connection] = {}
         if not self.path.exists():
             raise FakeGpuError(f"no fake GPU ledger at {self.path} (run `init` first)")
 
@@ -229,15 +231,53 @@ class Ledger:
         rows = con.execute("SELECT gpu, time, workloads FROM overlap ORDER BY id").fetchall()
         return [{"gpu": g, "time": t, "workloads": json.loads(w)} for g, t, w in rows]
 
+    @contextlib.contextmanager
+    def _snapshot(self) -> Iterator[sqlite3.Connection]:
+        # Reads are the hot path of the slicer's fake backend (a verify before every
+        # grant): they reuse one connection per process and thread, take a deferred
+        # (snapshot) transaction and never write; dead pids are filtered, not pruned.
+        key = (os.getpid(), threading.get_ident())
+        con = self._readers.get(key)
+        if con is None:
+            con = sqlite3.connect(
+                self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+            )
+            con.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
+            self._readers[key] = con
+        con.execute("BEGIN")
+        try:
+            yield con
+        finally:
+            con.execute("COMMIT")
+
+    @staticmethod
+    def _live(con: sqlite3.Connection) -> set[int]:
+        live = set()
+        for pid, ctime in con.execute("SELECT pid, ctime FROM proc").fetchall():
+            now = process_identity(pid)
+            if now is not None and abs(now - ctime) <= _CTIME_TOLERANCE_S:
+                live.add(pid)
+        return live
+
     def gpus(self) -> list[GpuInfo]:
         """All GPUs with their capacity and the on-device bytes of live processes."""
-        with self._tx() as con:
-            return self._gpus(con)
+        with self._snapshot() as con:
+            live = self._live(con)
+            used: dict[int, int] = {}
+            for g, pid, n in con.execute(
+                "SELECT gpu, pid, SUM(nbytes) FROM mem WHERE on_device = 1 GROUP BY gpu, pid"
+            ).fetchall():
+                if pid in live:
+                    used[g] = used.get(g, 0) + n
+            rows = con.execute("SELECT idx, uuid, total FROM gpu ORDER BY idx").fetchall()
+        return [GpuInfo(index=i, uuid=u, total=t, used=used.get(i, 0)) for i, u, t in rows]
 
     def processes(self, gpu: int | None = None) -> list[ProcMem]:
         """Live processes' memory, one row per (pid, gpu), optionally for one GPU."""
-        with self._tx() as con:
-            return self._processes(con, gpu)
+        with self._snapshot() as con:
+            live = self._live(con)
+            rows = self._processes(con, gpu)
+        return [r for r in rows if r.pid in live]
 
     def state(self, pid: int) -> str:
         """The cuda-checkpoint state of ``pid`` (``running`` when never set)."""
