@@ -231,6 +231,12 @@ class Slicer:
             self._lines.extend(self._buf.feed(data))
         return proto.parse_server_line(self._lines.popleft())
 
+    def next_message(self, timeout: float | None = None) -> proto.ServerMessage:
+        """The next line of any kind (queued events first); None `timeout` waits forever."""
+        if self.events:
+            return self.events.popleft()
+        return self._line(timeout)
+
     def request(self, req: proto.Request, timeout: float | None = 30.0) -> proto.Ok:
         """Send `req` and wait (at most `timeout`, None = forever) for its reply."""
         try:

@@ -1,0 +1,240 @@
+"""`slicerctl`: look at a running slicerd from a shell (PING, STATUS, WATCH).
+
+Every command takes `--json` for scripts. Exit codes: 0 success, 1 the daemon answered
+ERR (or sent a line we could not parse), 2 usage error, 69 (EX_UNAVAILABLE) the daemon
+cannot be reached or stopped answering.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import datetime
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+import proto
+from slicer.client import ClientError, Slicer, Unreachable, socket_path
+
+EX_UNAVAILABLE = 69
+REPLY_TIMEOUT = 30.0  # seconds to wait for a reply to PING/STATUS/WATCH
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    click.echo(f"slicerctl: {message}", err=True)
+    raise click.exceptions.Exit(code)
+
+
+def _why(e: Unreachable) -> str:
+    cause = e.__cause__
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror
+    return e.text
+
+
+@contextlib.contextmanager
+def _session(path: str) -> Iterator[Slicer]:
+    """A connection to slicerd; failures become a message on stderr and an exit code."""
+    hint = "is slicerd running? (systemctl status slicer)"
+    try:
+        with Slicer(path, timeout=REPLY_TIMEOUT) as s:
+            yield s
+    except Unreachable as e:
+        _fail(EX_UNAVAILABLE, f"cannot reach slicerd at {path}: {_why(e)}; {hint}")
+    except TimeoutError:
+        _fail(EX_UNAVAILABLE, f"slicerd at {path} sent no reply within {REPLY_TIMEOUT:g} s")
+    except ClientError as e:
+        _fail(1, str(e))
+    except proto.ProtocolError as e:
+        _fail(1, f"bad reply from slicerd at {path}: {e}")
+
+
+def _json_option(f: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(f)
+
+
+def _events(s: Slicer) -> Iterator[dict[str, Any]]:
+    """Event bodies after WATCH, forever. `Slicer` has no public "next line" call, so
+    this reads through its private line reader (same buffer as `request`)."""
+    while True:
+        msg = s.next_message()
+        if isinstance(msg, proto.Event):
+            yield msg.body
+
+
+def cell(value: object) -> str:
+    """One value as table/`k=v` text: None is "-", lists are comma-joined."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list | tuple):
+        return ",".join(cell(v) for v in value) if value else "-"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """An aligned text table; columns whose values are all numbers are right-aligned."""
+    raw = [list(r) for r in rows]
+    numeric = [
+        bool(raw) and all(r[i] is None or isinstance(r[i], int | float) for r in raw)
+        for i in range(len(headers))
+    ]
+    cells = [list(headers), *([cell(v) for v in r] for r in raw)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for r in cells:
+        parts = [
+            c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric, strict=True)
+        ]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def gpu_table(st: dict[str, Any]) -> str:
+    """The GPUs of a STATUS body as a table."""
+    rows = []
+    for g in st.get("gpus", []):
+        h = g.get("holder")
+        holder = f"{h['workload']}/{h['turn']}" if h else None
+        rows.append(
+            [
+                g.get("index"),
+                g.get("uuid"),
+                g.get("resident"),
+                holder,
+                cell(g.get("queue") or []),
+                g.get("grants"),
+                g.get("busy"),
+                len(g.get("foreign") or []),
+            ]
+        )
+    headers = ["GPU", "UUID", "RESIDENT", "HOLDER", "QUEUE", "GRANTS", "BUSY", "FOREIGN"]
+    return render_table(headers, rows)
+
+
+def workload_table(workloads: list[dict[str, Any]]) -> str:
+    """The workloads of a STATUS body as a table ("no workloads" when there are none)."""
+    if not workloads:
+        return "no workloads"
+    rows = [
+        [
+            w.get("name"),
+            w.get("gpu"),
+            w.get("state"),
+            w.get("turn"),
+            cell(w.get("pids") or []),
+            w.get("parks"),
+            w.get("restores"),
+            w.get("last_park_ms"),
+            w.get("last_restore_ms"),
+            w.get("faults"),
+        ]
+        for w in workloads
+    ]
+    headers = ["WORKLOAD", "GPU", "STATE", "TURN", "PIDS", "PARKS", "RESTORES"]
+    return render_table([*headers, "PARK_MS", "RESTORE_MS", "FAULTS"], rows)
+
+
+def status_text(st: dict[str, Any]) -> str:
+    """A STATUS body as text: a summary line, the GPU table, the workload table."""
+    totals = st.get("totals") or {}
+    summary = [f"slicerd {st.get('version', '?')}", f"up {cell(st.get('uptime_s'))} s"]
+    if "connections" in st:
+        summary.append(f"{st['connections']} connections")
+    summary += [f"{k} {v}" for k, v in totals.items()]
+    return "\n\n".join(
+        ["  ".join(summary), gpu_table(st), workload_table(st.get("workloads") or [])]
+    )
+
+
+def format_event(body: dict[str, Any], at: datetime) -> str:
+    """One WATCH event as a line: arrival time, event, workload, turn, then other keys."""
+    stamp = f"{at:%H:%M:%S}.{at.microsecond // 1000:03d}"
+    skip = {"event", "t", "workload", "turn"}
+    extra = " ".join(f"{k}={cell(v)}" for k, v in body.items() if k not in skip)
+    head = f"{stamp}  {cell(body.get('event')):<12} {cell(body.get('workload'))}"
+    return f"{head}  turn={cell(body.get('turn'))}  {extra}".rstrip()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--socket",
+    "sock",
+    metavar="PATH",
+    default=None,
+    help="slicerd's socket [default: $SLICER_SOCKET, else /run/slicer/slicer.sock].",
+)
+@click.pass_context
+def main(ctx: click.Context, sock: str | None) -> None:
+    """Inspect a running slicerd: its GPUs, workloads, turns and events."""
+    ctx.obj = socket_path(sock)
+
+
+@main.command()
+@_json_option
+@click.pass_obj
+def ping(path: str, as_json: bool) -> None:
+    """Check that slicerd answers; print the round-trip time."""
+    with _session(path) as s:
+        t0 = time.perf_counter()
+        s.request(proto.Ping())
+        rtt_us = int((time.perf_counter() - t0) * 1e6)
+    click.echo(json.dumps({"ok": True, "rtt_us": rtt_us}) if as_json else f"ok ({rtt_us} us)")
+
+
+@main.command()
+@_json_option
+@click.pass_obj
+def status(path: str, as_json: bool) -> None:
+    """Show every GPU and workload (`--json`: the STATUS body as sent)."""
+    with _session(path) as s:
+        st = s.status()
+    click.echo(json.dumps(st) if as_json else status_text(st))
+
+
+@main.command()
+@_json_option
+@click.pass_obj
+def workloads(path: str, as_json: bool) -> None:
+    """Show the workload table only (`--json`: the list of workload objects)."""
+    with _session(path) as s:
+        ws = s.status().get("workloads") or []
+    click.echo(json.dumps(ws) if as_json else workload_table(ws))
+
+
+@main.command()
+@_json_option
+@click.option(
+    "--count", type=click.IntRange(min=1), default=None, help="Stop after this many events."
+)
+@click.pass_obj
+def watch(path: str, as_json: bool, count: int | None) -> None:
+    """Print each state change as it happens, until Ctrl-C (or `--count` events)."""
+    try:
+        with _session(path) as s:
+            s.request(proto.Watch())
+            click.echo(f"slicerctl: watching slicerd at {path} (Ctrl-C to stop)", err=True)
+            for seen, body in enumerate(_events(s), start=1):
+                click.echo(json.dumps(body) if as_json else format_event(body, datetime.now()))
+                if count is not None and seen >= count:
+                    return
+    except KeyboardInterrupt:
+        return
+    except BrokenPipeError:  # `slicerctl watch | head`: the reader left; so do we, quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+if __name__ == "__main__":
+    main(prog_name="slicerctl")
