@@ -61,8 +61,7 @@ def _json_option(f: F) -> F:
 
 
 def _events(s: Slicer) -> Iterator[dict[str, Any]]:
-    """Event bodies after WATCH, forever. `Slicer` has no public "next line" call, so
-    this reads through its private line reader (same buffer as `request`)."""
+    """Event bodies after WATCH, forever."""
     while True:
         msg = s.next_message()
         if isinstance(msg, proto.Event):
