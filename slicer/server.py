@@ -66,6 +66,13 @@ _CODES: dict[type[errors.RequestError], ErrorCode] = {
 }
 
 
+def _now() -> float:
+    # The state machine's clock: event timestamps are CLOCK_MONOTONIC seconds, which a
+    # client on the same node can compare with its own time.monotonic() (trio's clock
+    # carries a random offset). Timers and deadlines still use trio's clock.
+    return time.monotonic()
+
+
 def error_code(error: errors.RequestError) -> ErrorCode:
     """The wire code of a refusal (the protocol edge)."""
     return _CODES.get(type(error), ErrorCode.BAD_REQUEST)
@@ -197,7 +204,7 @@ class Server:
             for i, e in enumerate(group):
                 e["resident_bytes"] = taken.of(i)
         log.info("recovered %d journaled workloads", sum(1 for e in entries if e["alive"]))
-        self._apply(self.sm.adopt_journal(entries, trio.current_time()))
+        self._apply(self.sm.adopt_journal(entries, _now()))
 
     # ---- connections -----------------------------------------------------------------
 
@@ -234,7 +241,7 @@ class Server:
         finally:
             del self.conns[conn.cid]
             try:
-                self._apply(self.sm.conn_closed(conn.cid, trio.current_time()))
+                self._apply(self.sm.conn_closed(conn.cid, _now()))
             except Exception:
                 log.exception("closing connection %d failed", conn.cid)
             with trio.CancelScope(shield=True), trio.move_on_after(1):
@@ -284,7 +291,7 @@ class Server:
         except proto.ProtocolError as e:
             conn.send(proto.encode(Err.from_error(e)))
             return
-        now = trio.current_time()
+        now = _now()
         fx: list[Effect] = []
         try:
             match req:
@@ -349,7 +356,7 @@ class Server:
             await trio.sleep_forever()
         if scope.cancelled_caught and conn.wait_scope is scope:
             conn.wait_scope = None
-            self._apply(self.sm.wait_expired(conn.cid, trio.current_time()))
+            self._apply(self.sm.wait_expired(conn.cid, _now()))
 
     # ---- effects ---------------------------------------------------------------------
 
@@ -387,7 +394,7 @@ class Server:
                     err = Err(error_code(e.error), text=str(e.error))
                     self._reply(e.conn, proto.encode(err), resumed)
                 case Verify():
-                    work.extend(self.sm.verified(e.op, self._blockers(e), trio.current_time()))
+                    work.extend(self.sm.verified(e.op, self._blockers(e), _now()))
                 case Park():
                     nursery.start_soon(self._park, e)
                 case Restore():
@@ -484,7 +491,7 @@ class Server:
             out = Outcome(False, "park-error", str(ex)[:300])
         ms = int((time.monotonic() - t0) * 1000)
         moved = max(0, before_bytes - after_bytes)
-        now = trio.current_time()
+        now = _now()
         self._apply(self.sm.park_done(e.op, out.ok, ms, moved, pids, out.reason, out.text, now))
 
     async def _restore(self, e: Restore) -> None:
@@ -495,13 +502,13 @@ class Server:
         except Exception as ex:
             out = Outcome(False, "restore-error", str(ex)[:300])
         ms = int((time.monotonic() - t0) * 1000)
-        now = trio.current_time()
+        now = _now()
         self._apply(self.sm.restore_done(e.op, out.ok, ms, out.reason, out.text, now))
 
     async def _recheck(self, e: Recheck) -> None:
         await trio.sleep(e.delay)
         self._rechecks.discard(e.gpu)
-        self._apply(self.sm.recheck(e.gpu, trio.current_time()))
+        self._apply(self.sm.recheck(e.gpu, _now()))
 
     async def _reap(self, e: Reap) -> None:
         ident = (e.pid, int(e.start_time))
@@ -513,7 +520,7 @@ class Server:
                 nbytes = self._census(e.gpu).of(e.wid)
             except Exception:
                 nbytes = 1  # unknown: keep the GPU taken
-            fx, done = self.sm.memory_report(e.wid, alive, nbytes, trio.current_time())
+            fx, done = self.sm.memory_report(e.wid, alive, nbytes, _now())
             self._apply(fx)
             if done:
                 return

@@ -322,12 +322,13 @@ class SlicerState:
         w.restores += 1
         self.totals["restores"] += 1
         w.last_restore_ms, w.parked_bytes, w.parked_pids = ms, 0, ()
-        fx.append(self._event("restored", w, now, restore_ms=ms))
         fx.append(Persist())
         head = gpu.head()
         if head is not None and head.workload is w and gpu.holder is None:
-            return fx + self._grant(gpu, head, restored=True, now=now)
+            granted = self._grant(gpu, head, restored=True, now=now)
+            return [*fx, self._event("restored", w, now, restore_ms=ms), *granted]
         w.to(WState.IDLE)
+        fx.append(self._event("restored", w, now, restore_ms=ms))
         return fx + self._reconcile(gpu, now)
 
     def verified(self, op_id: int, blockers: list[dict[str, Any]], now: float) -> list[Effect]:
