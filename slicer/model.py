@@ -151,6 +151,8 @@ class Gpu:
     foreign: list[dict[str, int | str]] = field(default_factory=list)
     dirty: bool = True
     waiting_sent: bool = False
+    # waiters per workload id, kept with the queue so WAITING counts are O(1)
+    waiting: dict[int, int] = field(default_factory=dict)
 
     def head(self) -> Waiter | None:
         """The first waiter, or None."""

@@ -7,12 +7,9 @@ Reading /proc directly keeps the hot path (verify before every grant) in microse
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 from collections.abc import Iterator
-
-import psutil
 
 Ident = tuple[int, int]
 
@@ -66,14 +63,30 @@ def ancestry(pid: int, limit: int = 64) -> Iterator[Ident]:
         pid = st[0]
 
 
-def tree(ident: Ident, descendants: bool = True) -> list[int]:
+def children_map() -> dict[int, list[int]]:
+    """ppid -> child pids, from one pass over /proc (share it across many `tree` calls)."""
+    out: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None:
+                out.setdefault(st[0], []).append(int(name))
+    return out
+
+
+def tree(
+    ident: Ident, descendants: bool = True, children: dict[int, list[int]] | None = None
+) -> list[int]:
     """The live pids of the process and (optionally) all its descendants."""
     if not alive(ident):
         return []
     pids = [ident[0]]
     if descendants:
-        with contextlib.suppress(psutil.Error):
-            pids += [c.pid for c in psutil.Process(ident[0]).children(recursive=True)]
+        kids = children if children is not None else children_map()
+        i = 0
+        while i < len(pids):
+            pids += kids.get(pids[i], [])
+            i += 1
     return pids
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import struct
 import time
@@ -97,13 +98,29 @@ class Connection:
         self.wait_scope: trio.CancelScope | None = None
         self.nursery: trio.Nursery | None = None
         self.dropped = ""
+        self.queued = 0  # lines in the outbox or being written by the writer
 
     def send(self, data: bytes) -> None:
-        """Queue one line; drop the connection when its outbox is full."""
+        """Send one line now if the socket takes it, else queue it for the writer; drop
+        the connection when its outbox is full."""
         if self.dropped:
             return
+        if self.queued == 0:
+            # Nothing is queued, so writing directly keeps the order and saves the trip
+            # through the writer task (most replies leave here, within microseconds).
+            try:
+                sent = os.write(self.stream.socket.fileno(), data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self.drop("peer closed")
+                return
+            if sent == len(data):
+                return
+            data = data[sent:]
         try:
             self.outbox.send_nowait(data)
+            self.queued += 1
         except trio.WouldBlock:
             self.drop("client stopped reading")
         except (trio.ClosedResourceError, trio.BrokenResourceError):
@@ -133,6 +150,7 @@ class Connection:
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         self.drop("peer closed")
                         return
+                self.queued -= len(batch)
                 if cs.cancelled_caught:
                     self.drop(f"write blocked for {write_timeout}s")
                     return
@@ -157,6 +175,7 @@ class Server:
             journal,
         )
         self.conns: dict[int, Connection] = {}
+        self.watchers: set[Connection] = set()
         self._ids = itertools.count(1)
         self._nursery: trio.Nursery | None = None
         self._rechecks: set[int] = set()
@@ -240,6 +259,7 @@ class Server:
             log.exception("connection %d (pid %d) failed", conn.cid, pid)
         finally:
             del self.conns[conn.cid]
+            self.watchers.discard(conn)
             try:
                 self._apply(self.sm.conn_closed(conn.cid, _now()))
             except Exception:
@@ -323,6 +343,7 @@ class Server:
                 case proto.Watch():
                     conn.watching = True
                     conn.send(b"OK\n")
+                    self.watchers.add(conn)
         except errors.RequestError as e:
             conn.pending = False
             conn.send(proto.encode(Err(error_code(e), text=str(e))))
@@ -374,7 +395,6 @@ class Server:
     def _apply(self, fx: list[Effect]) -> None:
         """Perform effects in order (Verify feeds its result back in place)."""
         work = deque(fx)
-        persist = False
         resumed: list[Connection] = []
         nursery = self._nursery
         assert nursery is not None
@@ -395,6 +415,8 @@ class Server:
                     self._reply(e.conn, proto.encode(err), resumed)
                 case Verify():
                     work.extend(self.sm.verified(e.op, self._blockers(e), _now()))
+                case Park() if e.mode == "cooperative":
+                    work.extend(self._verify_parked(e))  # nothing to move: no task
                 case Park():
                     nursery.start_soon(self._park, e)
                 case Restore():
@@ -417,9 +439,9 @@ class Server:
                 case Emit():
                     self._broadcast(e.body)
                 case Persist():
-                    persist = True
-        if persist:
-            self._persist()
+                    # Journaled before any later reply of this batch leaves (a grant
+                    # must never reach a client before the park it follows is on disk).
+                    self._persist()
         for conn in resumed:
             while conn.backlog and not conn.pending and conn.cid in self.conns:
                 self._dispatch(conn, conn.backlog.popleft())
@@ -431,11 +453,10 @@ class Server:
             log.error("cannot write journal %s: %s", self.journal.path, e)
 
     def _broadcast(self, body: dict[str, Any]) -> None:
-        watchers = [c for c in self.conns.values() if c.watching]
-        if not watchers:
+        if not self.watchers:
             return
         line = proto.encode(proto.Event(body))
-        for c in watchers:
+        for c in list(self.watchers):
             c.send(line)
 
     def _roots(self, gpu: int) -> list[census.Root]:
@@ -494,6 +515,24 @@ class Server:
         now = _now()
         self._apply(self.sm.park_done(e.op, out.ok, ms, moved, pids, out.reason, out.text, now))
 
+    def _verify_parked(self, e: Park) -> list[Effect]:
+        """A cooperative park: the workload freed the GPU itself; check it, through the
+        backend, never on its word."""
+        t0 = time.monotonic()
+        try:
+            after = self._census(e.gpu).of(e.wid)
+            out = Outcome(True)
+            if after > e.parked_max:
+                out = Outcome(
+                    False,
+                    "still-resident",
+                    f"{after} bytes still on GPU {e.gpu} at park (parked_max={e.parked_max})",
+                )
+        except Exception as ex:
+            out = Outcome(False, "park-error", str(ex)[:300])
+        ms = int((time.monotonic() - t0) * 1000)
+        return self.sm.park_done(e.op, out.ok, ms, 0, (), out.reason, out.text, _now())
+
     async def _restore(self, e: Restore) -> None:
         t0 = time.monotonic()
         pids = [p for p in e.pids if procs.start_time(p) is not None]
@@ -536,9 +575,10 @@ class Server:
     def status(self) -> dict[str, Any]:
         """The STATUS body: version, uptime, GPUs, workloads (with live pids), totals."""
         body = self.sm.status()
-        by_name = {(w.name, w.wid): w for w in self.sm.workloads()}
-        for entry, w in zip(body["workloads"], by_name.values(), strict=True):
-            entry["pids"] = procs.tree((w.pid, int(w.start_time)), w.tree)
+        workloads = self.sm.workloads()
+        children = procs.children_map() if any(w.tree for w in workloads) else {}
+        for entry, w in zip(body["workloads"], workloads, strict=True):
+            entry["pids"] = procs.tree((w.pid, int(w.start_time)), w.tree, children)
         return {
             "version": __version__,
             "uptime_s": round(time.monotonic() - self.started, 3),

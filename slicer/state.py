@@ -209,6 +209,7 @@ class SlicerState:
         if len(gpu.queue) >= self.limits.max_queue:
             raise errors.LimitReached(f"at most {self.limits.max_queue} waiters per GPU")
         gpu.queue[conn] = Waiter(conn=conn, workload=w, since=now)
+        gpu.waiting[w.wid] = gpu.waiting.get(w.wid, 0) + 1
         peer.waiting_on = gpu.index
         fx: list[Effect] = [self._event("queued", w, now, position=len(gpu.queue))]
         fx += self._notify_waiting(gpu)
@@ -502,7 +503,12 @@ class SlicerState:
         return Emit(body)
 
     def _unqueue(self, gpu: Gpu, waiter: Waiter) -> None:
-        gpu.queue.pop(waiter.conn, None)
+        if gpu.queue.pop(waiter.conn, None) is not None:
+            left = gpu.waiting[waiter.workload.wid] - 1
+            if left:
+                gpu.waiting[waiter.workload.wid] = left
+            else:
+                del gpu.waiting[waiter.workload.wid]
         peer = self.conns.get(waiter.conn)
         if peer is not None:
             peer.waiting_on = None
@@ -511,8 +517,8 @@ class SlicerState:
             gpu.waiting_sent = False
 
     def _others_waiting(self, gpu: Gpu) -> int:
-        mine = gpu.holder.workload if gpu.holder is not None else None
-        return len({id(x.workload) for x in gpu.queue.values() if x.workload is not mine})
+        mine = gpu.holder.workload.wid if gpu.holder is not None else None
+        return len(gpu.waiting) - (1 if mine in gpu.waiting else 0)
 
     def _notify_waiting(self, gpu: Gpu) -> list[Effect]:
         holder = gpu.holder
