@@ -590,6 +590,7 @@ class SlicerState:
         w.must_park, w.park_reply = False, None
         gpu.op = op
         return [
+            Persist(),  # a restart mid-park must know the processes may be checkpointed
             self._event("parking", w, now),
             Park(
                 op=op.op_id,
@@ -653,6 +654,7 @@ class SlicerState:
             op = Op(OpKind.RESTORE, next(self._ops), head_w)
             gpu.op = op
             return [
+                Persist(),
                 self._event("restoring", head_w, now),
                 Restore(
                     op=op.op_id,
