@@ -88,6 +88,9 @@ class Workload:
     must_park: bool = False
     # The RELEASE waiting for this workload's park to answer it.
     park_reply: ConnId | None = None
+    # A recovered, still-resident cooperative orphan is left alone until then, so that
+    # its launcher can re-REGISTER and adopt it (slicerd cannot park it itself).
+    hold_until: float = 0.0
 
     @property
     def detached(self) -> bool:

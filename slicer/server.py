@@ -178,7 +178,7 @@ class Server:
         self.watchers: set[Connection] = set()
         self._ids = itertools.count(1)
         self._nursery: trio.Nursery | None = None
-        self._rechecks: set[int] = set()
+        self._rechecks: set[Recheck] = set()
         self.started = time.monotonic()
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -422,8 +422,8 @@ class Server:
                 case Restore():
                     nursery.start_soon(self._restore, e)
                 case Recheck():
-                    if e.gpu not in self._rechecks:
-                        self._rechecks.add(e.gpu)
+                    if e not in self._rechecks:  # one timer per (gpu, delay)
+                        self._rechecks.add(e)
                         nursery.start_soon(self._recheck, e)
                 case SendFault():
                     log.error(
@@ -546,7 +546,7 @@ class Server:
 
     async def _recheck(self, e: Recheck) -> None:
         await trio.sleep(e.delay)
-        self._rechecks.discard(e.gpu)
+        self._rechecks.discard(e)
         self._apply(self.sm.recheck(e.gpu, _now()))
 
     async def _reap(self, e: Reap) -> None:

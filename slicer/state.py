@@ -42,6 +42,7 @@ class Limits:
     max_queue: int = 4096
     fault_kill_after: float = 60.0
     recheck_every: float = 0.5
+    adopt_grace: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -401,6 +402,9 @@ class SlicerState:
                 fx.append(self._reap(w, kill_after=self.limits.fault_kill_after))
             elif int(e["resident_bytes"]) > w.parked_max:
                 w.state = WState.IDLE
+                if w.park == "cooperative":
+                    w.hold_until = now + self.limits.adopt_grace
+                    fx.append(Recheck(w.gpu, self.limits.adopt_grace))
             elif e.get("state") in (WState.PARKED, WState.PARKING, WState.RESTORING):
                 w.state = WState.PARKED
                 fx.append(self._reap(w, kill_after=None))
@@ -632,6 +636,9 @@ class SlicerState:
         idle = [w for w in residents if w.state is WState.IDLE]
         # Dirty or abandoned workloads first, then whoever stands between the head and
         # the GPU (or crowds it next to another resident).
+        held = [w for w in idle if w.detached and w.hold_until > now]
+        if held:
+            return []  # the GPU stays taken until it is adopted or its grace ends
         for w in idle:
             if w.must_park or w.detached:
                 return self._start_park(gpu, w, now)

@@ -1079,3 +1079,38 @@ def test_journal_orphan_parked_dropped_when_dead(d: Driver) -> None:
     assert any(isinstance(e, Persist) for e in fx)
     assert d2.sm.by_wid(wid) is None
     assert d2.sm.memory_report(wid, False, 0, d2.now) == ([], True)
+
+
+def test_recovered_awake_cooperative_orphan_waits_for_its_launcher() -> None:
+    """slicerd cannot park a cooperative workload itself: after a restart a resident one is
+    held (GPU taken, nobody granted) until its launcher re-registers, or the grace ends."""
+    d = Driver(SlicerState(GPUS))
+    for conn in (RA, RB, D1, D2):
+        d.connect(conn, uid=USER if conn in (RA, RB) else 0, pid=900 + conn)
+    d.run(lambda now: d.sm.adopt_journal([], now))
+    d.register(RA, "a", park="cooperative", parked_max=GIB)
+    d.register(RB, "b")
+    entries = _entries(d.sm, a=(True, 5 * GIB))
+    d2, out = _restart(entries)
+    grace = d2.sm.limits.adopt_grace
+    assert out == [("recheck", 0)]
+    assert d2.state("a") == "idle"
+    d2.register(RB, "b")
+    assert d2.acquire(D2, "b") == []  # b waits: a is resident and held
+    # the launcher comes back in time: a is adopted, still resident, and then parked
+    # (verified) for the waiting b like any idle workload
+    assert d2.register(RA, "a", park="cooperative", parked_max=GIB) == [
+        ("registered", RA, "a", "idle"),
+        ("park", "a", "cooperative"),
+    ]
+
+
+def test_recovered_cooperative_orphan_is_parked_after_the_grace() -> None:
+    d = Driver(SlicerState(GPUS))
+    d.connect(RA, uid=USER, pid=900 + RA)
+    d.run(lambda now: d.sm.adopt_journal([], now))
+    d.register(RA, "a", park="cooperative", parked_max=GIB)
+    d2, _ = _restart(_entries(d.sm, a=(True, 5 * GIB)))
+    assert d2.recheck(0) == []  # within the grace
+    d2.now += d2.sm.limits.adopt_grace
+    assert d2.recheck(0) == [("park", "a", "cooperative")]
