@@ -1092,7 +1092,6 @@ def test_recovered_awake_cooperative_orphan_waits_for_its_launcher() -> None:
     d.register(RB, "b")
     entries = _entries(d.sm, a=(True, 5 * GIB))
     d2, out = _restart(entries)
-    grace = d2.sm.limits.adopt_grace
     assert out == [("recheck", 0)]
     assert d2.state("a") == "idle"
     d2.register(RB, "b")
