@@ -1,0 +1,310 @@
+"""The dispatcher's pure decisions: validating a request, building the body sent to
+vLLM, the commit rule, which revision to serve next and when a turn ends.
+
+No I/O, no trio, no clock: every function takes what it needs and returns a value, so
+each rule is tested by a table.
+
+The commit rule (invariant 4: a result comes only from the weights it asked for):
+a result counts only if
+
+* every choice carries ``weight_versions`` (vLLM's ``return_weight_versions``) and
+  every span in them has ``version == p.revision`` (a span with another version means
+  the weights changed under the request, even for part of it);
+* the replica still has ``p.revision`` loaded;
+* the replica's epoch is unchanged since the send: the turn loop bumps the epoch on
+  every sleep, load and recovery, so a request that straddled one (say a sleep with
+  ``mode=abort`` that cut it short with HTTP 200) is not committed.
+
+Otherwise the request stays pending and is sent again later.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dispatcher.errors import BadRequest
+
+if TYPE_CHECKING:
+    from dispatcher.store import Pending
+
+__all__ = [
+    "KINDS",
+    "MAX_N",
+    "MAX_PARAMS_BYTES",
+    "ParsedBody",
+    "TurnPlan",
+    "commit_ok",
+    "next_revision",
+    "parse_body",
+    "parse_model",
+    "request_body",
+    "result_ok",
+    "weight_versions",
+]
+
+KINDS = ("completion", "chat")
+MAX_N = 16
+MAX_PARAMS_BYTES = 1 << 20
+_MAX_TOKEN_ID = (1 << 31) - 1
+# Fields the dispatcher owns: the prompt is held apart, the revision picks the weights,
+# and the send is always non-streaming with weight versions (the front re-streams).
+_STRIPPED = frozenset(
+    {"prompt", "messages", "stream", "stream_options", "model", "revision",
+     "return_weight_versions"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ParsedBody:
+    """A validated request: what the store journals and holds."""
+
+    params: dict[str, Any]
+    prompt: array.array[int] | bytes | None
+    messages: bytes | None
+    revision: str | None  # from body["revision"] or the model's "@REV" suffix
+
+
+def _is_int(v: object) -> bool:
+    return type(v) is int  # bool is an int subclass, and JSON true is no count
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def parse_model(model: str) -> tuple[str, str | None]:
+    """Split ``"NAME@REV"`` into (NAME, REV); a model without ``@`` has no revision."""
+    name, at, rev = model.rpartition("@")
+    if not at:
+        return model, None
+    if not rev:
+        raise BadRequest(f"model {model!r} ends with '@' but names no revision after it")
+    return name, rev
+
+
+def _parse_prompt(prompt: object, max_tokens: int, max_bytes: int) -> array.array[int] | bytes:
+    # A batch of one ([str] or [[int]]) is unwrapped; a real batch would need one
+    # result per prompt, which a sample id cannot carry.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt must not be empty")
+        text = prompt.encode("utf-8", "surrogatepass")
+        if len(text) > max_bytes:
+            raise BadRequest(
+                f"prompt is {len(text)} bytes of UTF-8 text, more than the limit of {max_bytes}"
+            )
+        return text
+    if not isinstance(prompt, list):
+        raise BadRequest(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+        )
+    if not prompt:
+        raise BadRequest("prompt must not be an empty list")
+    if any(isinstance(x, str | list) for x in prompt):
+        raise BadRequest(f"prompt is a batch of {len(prompt)} prompts; send one request per prompt")
+    if len(prompt) > max_tokens:
+        raise BadRequest(f"prompt has {len(prompt)} tokens, more than the limit of {max_tokens}")
+    bad = next((i for i, t in enumerate(prompt) if not _is_int(t)), None)
+    if bad is not None:
+        raise BadRequest(f"prompt[{bad}] must be an integer token id, got {prompt[bad]!r:.50}")
+    if min(prompt) < 0 or max(prompt) > _MAX_TOKEN_ID:
+        raise BadRequest(f"prompt token ids must be in 0..{_MAX_TOKEN_ID}")
+    return array.array("i", prompt)
+
+
+def _parse_messages(messages: object, max_bytes: int) -> bytes:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of message objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object, got {type(m).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}].role must be a string")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise BadRequest(f"messages[{i}].content must be a string, a list or null")
+    packed = json.dumps(messages, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(packed) > max_bytes:
+        raise BadRequest(
+            f"messages are {len(packed)} bytes of JSON, more than the limit of {max_bytes}"
+        )
+    return packed
+
+
+def _check_params(kind: str, body: dict[str, Any]) -> None:
+    for field in ("max_tokens", "max_completion_tokens"):
+        v = body.get(field)
+        if v is not None and not (_is_int(v) and v >= 1):
+            raise BadRequest(f"{field} must be a positive integer, got {v!r:.50}")
+    n = body.get("n")
+    if n is not None and not (_is_int(n) and 1 <= n <= MAX_N):
+        raise BadRequest(f"n must be an integer from 1 to {MAX_N}, got {n!r:.50}")
+    t = body.get("temperature")
+    if t is not None and not (_is_number(t) and t >= 0):
+        raise BadRequest(f"temperature must be a number >= 0, got {t!r:.50}")
+    p = body.get("top_p")
+    if p is not None and not (_is_number(p) and 0 < p <= 1):
+        raise BadRequest(f"top_p must be a number in (0, 1], got {p!r:.50}")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise BadRequest(f"seed must be an integer, got {seed!r:.50}")
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise BadRequest("stop must be a string or a list of strings")
+    for field in ("stream", "return_weight_versions"):
+        if field in body and not isinstance(body[field], bool):
+            raise BadRequest(f"{field} must be true or false, got {body[field]!r:.50}")
+    for field in ("model", "revision"):
+        if body.get(field) is not None and not isinstance(body[field], str):
+            raise BadRequest(f"{field} must be a string, got {type(body[field]).__name__}")
+    other = "messages" if kind == "completion" else "prompt"
+    if other in body:
+        raise BadRequest(f"{other!r} is not a field of a {kind} request")
+
+
+def parse_body(
+    kind: str, body: object, max_prompt_tokens: int, max_prompt_bytes: int
+) -> ParsedBody:
+    """Validate an OpenAI request body of ``kind`` ("completion" or "chat").
+
+    Raises :class:`BadRequest` naming the field at fault. The returned ``params`` are
+    the body minus prompt/messages, ``stream``/``stream_options``, ``model``,
+    ``revision`` and ``return_weight_versions`` (the dispatcher sets those itself).
+    """
+    if kind not in KINDS:
+        raise BadRequest(f"kind must be one of {KINDS}, got {kind!r:.50}")
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    _check_params(kind, body)
+    prompt: array.array[int] | bytes | None = None
+    messages: bytes | None = None
+    if kind == "completion":
+        if "prompt" not in body:
+            raise BadRequest("missing field 'prompt'")
+        prompt = _parse_prompt(body["prompt"], max_prompt_tokens, max_prompt_bytes)
+    else:
+        if "messages" not in body:
+            raise BadRequest("missing field 'messages'")
+        messages = _parse_messages(body["messages"], max_prompt_bytes)
+    revision: str | None = body.get("revision")
+    if revision is None and isinstance(body.get("model"), str):
+        revision = parse_model(body["model"])[1]
+    params = {k: v for k, v in body.items() if k not in _STRIPPED}
+    return ParsedBody(params, prompt, messages, revision)
+
+
+def request_body(p: Pending, model: str) -> dict[str, Any]:
+    """The JSON body to POST to vLLM for ``p``, served as model name ``model``."""
+    body = dict(p.params)
+    if p.kind == "chat":
+        body["messages"] = json.loads(p.messages or b"[]")
+    elif isinstance(p.prompt, array.array):
+        body["prompt"] = p.prompt.tolist()
+    elif p.prompt is not None:
+        body["prompt"] = p.prompt.decode("utf-8", "surrogatepass")
+    body["model"] = model
+    body["return_weight_versions"] = True
+    body["stream"] = False
+    return body
+
+
+def weight_versions(body: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """Each choice's ``weight_versions`` from a vLLM response (``[]`` where missing)."""
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        return []
+    out: list[list[dict[str, Any]]] = []
+    for c in choices:
+        wv = c.get("weight_versions") if isinstance(c, dict) else None
+        out.append(wv if isinstance(wv, list) else [])
+    return out
+
+
+def commit_ok(
+    p: Pending,
+    choice_weight_versions: list[list[dict[str, Any]]],
+    loaded_revision: str,
+    epoch_at_send: int,
+    epoch_now: int,
+) -> bool:
+    """The commit rule (module docstring): may this response be stored as ``p``'s result?"""
+    if epoch_at_send != epoch_now or loaded_revision != p.revision:
+        return False
+    if not choice_weight_versions:
+        return False
+    for spans in choice_weight_versions:
+        # No spans means vLLM could not vouch for the weights: never commit on trust.
+        if not spans:
+            return False
+        if any(not isinstance(s, dict) or s.get("version") != p.revision for s in spans):
+            return False
+    return True
+
+
+def result_ok(
+    p: Pending, body: dict[str, Any], loaded_revision: str, epoch_at_send: int, epoch_now: int
+) -> bool:
+    """:func:`commit_ok` on a whole vLLM response, also refusing aborted choices.
+
+    A sleep or pause with ``mode=abort`` ends a request with HTTP 200 and
+    ``finish_reason: "abort"`` (partial text): never a result, whatever the epoch says.
+    """
+    choices = body.get("choices")
+    if not isinstance(choices, list) or any(
+        not isinstance(c, dict) or c.get("finish_reason") == "abort" for c in choices
+    ):
+        return False
+    wanted = p.params.get("n") or 1
+    if len(choices) != wanted:
+        return False
+    return commit_ok(p, weight_versions(body), loaded_revision, epoch_at_send, epoch_now)
+
+
+def next_revision(store_pending_revisions: list[str], loaded: str | None) -> str | None:
+    """The revision to serve next: the loaded one if it has work (no reload), else the
+    one waiting longest (``store_pending_revisions`` is oldest first); None if idle."""
+    if loaded is not None and loaded in store_pending_revisions:
+        return loaded
+    return store_pending_revisions[0] if store_pending_revisions else None
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """When a sampler turn ends.
+
+    A turn ends when nothing is pending for this replica, or when another workload
+    waits (WAITING seen) and ``turn_seconds`` have passed since the turn *started
+    serving*. Counting from the start of serving (not from WAITING) bounds how long the
+    waiter waits by ``turn_seconds`` plus grace, whenever it arrived; counting from
+    serving (the caller passes the time the wake and any load finished, not the
+    acquire) keeps a long weight load from eating the window it was done for.
+    """
+
+    turn_seconds: float = 30.0
+
+    @staticmethod
+    def should_end(
+        now: float,
+        turn_started: float,
+        waiting_seen_at: float | None,
+        pending_for_replica: int,
+        turn_seconds: float,
+    ) -> bool:
+        """Whether the turn should end at ``now`` (see the class docstring)."""
+        if pending_for_replica <= 0:
+            return True
+        return waiting_seen_at is not None and now - turn_started >= turn_seconds
+
+    def ends_at(self, turn_started: float, waiting_seen_at: float | None) -> float | None:
+        """When the turn must end if work remains (None: not while nobody waits)."""
+        if waiting_seen_at is None:
+            return None
+        return turn_started + self.turn_seconds

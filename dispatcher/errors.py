@@ -1,0 +1,61 @@
+"""The dispatcher's one exception hierarchy.
+
+Every failure the dispatcher reports is a :class:`DispatchError`. The library never
+speaks HTTP: the front maps these classes to status codes at its edge (for example
+``BadRequest`` -> 400, ``UnknownRevision`` -> 404 or 400, ``NotFound`` -> 404,
+``DeadlineExceeded`` -> 504, ``StoreFull``/``StoreError`` -> 507/503), the way httpcore
+maps transport errors in one place.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadRequest",
+    "DeadlineExceeded",
+    "DispatchError",
+    "NotFound",
+    "ReplicaError",
+    "StoreError",
+    "StoreFull",
+    "UnknownRevision",
+]
+
+
+class DispatchError(Exception):
+    """Base class of every error the dispatcher raises on purpose."""
+
+
+class BadRequest(DispatchError):
+    """A client request is invalid; the message says exactly which field and why."""
+
+
+class UnknownRevision(DispatchError):
+    """A request names a weight revision that was never published (or none is)."""
+
+
+class NotFound(DispatchError):
+    """No sample with this id is known to the store."""
+
+
+class DeadlineExceeded(DispatchError):
+    """A pending request outlived its deadline; the message names pool and revision."""
+
+
+class ReplicaError(DispatchError):
+    """A vLLM replica answered an error, broke a bound, or could not be reached.
+
+    ``status`` is the HTTP status vLLM answered, or ``None`` when there was no answer
+    (timeout, connection refused, malformed body).
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class StoreError(DispatchError):
+    """The durable store failed (I/O error, corrupt database); nothing was accepted."""
+
+
+class StoreFull(StoreError):
+    """The disk holding the store is full; the request was not journaled."""

@@ -1,0 +1,242 @@
+"""An async client of one vLLM replica: the calls of shared/VLLM_API.md, each bounded.
+
+Every call is bounded *as a whole* by ``trio.fail_after`` (connect, send, every read
+of the body), not per read: a replica that trickles one byte a minute still answers
+within the bound or not at all (invariant 6). httpx's own timeouts are left off except
+the connect timeout, so the whole-call bound is the only one that fires on a slow read.
+
+Every failure is a :class:`ReplicaError`: ``status`` is vLLM's HTTP status, or None
+when no answer came (timeout, refused connection, malformed JSON). The message carries
+vLLM's own error message (``{"error": {"message": ...}}``).
+
+``epoch`` counts the events that invalidate requests in flight (sleep, weight load,
+recovery); it is bumped *before* the call is sent, so a response that arrives after
+such an event can never carry the epoch it was sent under (see ``core.commit_ok``).
+``known_version`` is the revision this client itself loaded completely, or None when
+unknown (first sight, after a broken load or a recovery): the turn loop must load
+whenever it differs from the wanted revision, whatever ``/weight_info`` says, because
+a broken reload can leave the old label on half-new weights.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import trio
+
+from dispatcher.errors import ReplicaError
+
+__all__ = ["CONTROL_TIMEOUT_S", "Replica"]
+
+CONTROL_TIMEOUT_S = 30.0
+_PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+_SLEEP_MODES = ("abort", "wait", "keep")
+
+
+def _error_message(resp: httpx.Response) -> str:
+    """vLLM's error text: ``error.message``, FastAPI's ``detail``, else the raw body."""
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:500] or resp.reason_phrase
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])
+        if "detail" in data:
+            return str(data["detail"])[:500]
+    return json.dumps(data)[:500]
+
+
+class Replica:
+    """One vLLM server at ``base_url`` (e.g. ``http://127.0.0.1:8000``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        connect_timeout: float = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.epoch = 0
+        self.known_version: str | None = None
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            transport=transport,
+            # Concurrency is bounded by the turn loop; here only idle connections are.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+            timeout=httpx.Timeout(None, connect=connect_timeout),
+        )
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()
+
+    async def __aenter__(self) -> Replica:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- one bounded call ------------------------------------------------------------
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        timeout: float,
+        *,
+        json_body: Any = None,
+        params: dict[str, Any] | None = None,
+    ) -> httpx.Response:
+        """Send one request bounded by ``timeout`` s; a non-2xx answer raises."""
+        what = f"{method} {self.base_url}{path}"
+        try:
+            with trio.fail_after(timeout):
+                resp = await self._client.request(method, path, json=json_body, params=params)
+        except trio.TooSlowError:
+            raise ReplicaError(f"{what}: no answer within {timeout:g} s") from None
+        except httpx.HTTPError as exc:
+            raise ReplicaError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        if not resp.is_success:
+            raise ReplicaError(
+                f"{what}: HTTP {resp.status_code}: {_error_message(resp)}", resp.status_code
+            )
+        return resp
+
+    async def _json(self, method: str, path: str, timeout: float, **kw: Any) -> dict[str, Any]:
+        resp = await self._call(method, path, timeout, **kw)
+        try:
+            data = resp.json()
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise ReplicaError(
+                f"{method} {self.base_url}{path}: expected a JSON object, got {resp.text[:200]!r}"
+            )
+        return data
+
+    async def _field(self, method: str, path: str, key: str, kind: type, timeout: float) -> Any:
+        data = await self._json(method, path, timeout)
+        value = data.get(key)
+        if not isinstance(value, kind):
+            raise ReplicaError(
+                f"{method} {self.base_url}{path}: no {kind.__name__} {key!r} in {data}"[:500]
+            )
+        return value
+
+    # -- the calls -------------------------------------------------------------------
+
+    async def health(self, timeout: float = 10) -> bool:
+        """Whether ``GET /health`` answers 200 within ``timeout`` (True while asleep).
+
+        A probe: any failure (503 dead engine, refused connection, timeout) is False.
+        """
+        try:
+            await self._call("GET", "/health", timeout)
+        except ReplicaError:
+            return False
+        return True
+
+    async def wake(self, timeout: float = 300) -> None:
+        """``POST /wake_up`` (all tags); raises unless the replica says it is awake."""
+        data = await self._json("POST", "/wake_up", timeout)
+        if data.get("status", "awake") != "awake":
+            raise ReplicaError(f"POST {self.base_url}/wake_up: still {data.get('status')!r}")
+
+    async def sleep(self, level: int = 1, mode: str = "abort", timeout: float = 300) -> None:
+        """``POST /sleep?level=&mode=``; bumps the epoch first (requests in flight die)."""
+        if level not in (0, 1, 2) or mode not in _SLEEP_MODES:
+            raise ValueError(f"sleep level must be 0..2 and mode one of {_SLEEP_MODES}")
+        self.epoch += 1
+        if level == 2:
+            self.known_version = None  # level 2 drops the weights
+        await self._json("POST", "/sleep", timeout, params={"level": level, "mode": mode})
+
+    async def is_sleeping(self, timeout: float = CONTROL_TIMEOUT_S) -> bool:
+        """``GET /is_sleeping`` (also true while paused)."""
+        return bool(await self._field("GET", "/is_sleeping", "is_sleeping", bool, timeout))
+
+    async def is_paused(self, timeout: float = CONTROL_TIMEOUT_S) -> bool:
+        """``GET /is_paused`` (also true while asleep)."""
+        return bool(await self._field("GET", "/is_paused", "is_paused", bool, timeout))
+
+    async def resume(self, timeout: float = CONTROL_TIMEOUT_S) -> None:
+        """``POST /resume``: end a pause."""
+        self.epoch += 1
+        await self._json("POST", "/resume", timeout)
+
+    async def weight_version(self, timeout: float = CONTROL_TIMEOUT_S) -> str:
+        """The served weight label, ``GET /weight_info`` (``"default"`` until set)."""
+        return str(await self._field("GET", "/weight_info", "weight_version", str, timeout))
+
+    async def load(self, revision: str, path: str, timeout: float = 1800) -> None:
+        """Load weights ``revision`` from directory ``path`` as a whole, within ``timeout``.
+
+        ``collective_rpc reload_weights``, ``update_weight_version``,
+        ``reset_prefix_cache`` (cached KV of the old weights must not serve the new ones),
+        then ``/weight_info`` must say ``revision``. On any failure ``known_version``
+        stays None: the weights may be half-loaded, so call :meth:`recover` and load
+        again in a later turn.
+        """
+        self.epoch += 1
+        self.known_version = None
+        try:
+            with trio.fail_after(timeout):
+                await self._json(
+                    "POST",
+                    "/collective_rpc",
+                    timeout,
+                    json_body={"method": "reload_weights", "kwargs": {"weights_path": path}},
+                )
+                await self._json(
+                    "POST", "/update_weight_version", timeout, json_body={"new_version": revision}
+                )
+                reset = await self._json("POST", "/reset_prefix_cache", timeout)
+                if reset.get("success") is False:
+                    raise ReplicaError(
+                        f"POST {self.base_url}/reset_prefix_cache: the cache was not reset"
+                    )
+                got = await self.weight_version(timeout)
+        except trio.TooSlowError:
+            raise ReplicaError(
+                f"load of revision {revision} from {path} on {self.base_url}: "
+                f"not done within {timeout:g} s"
+            ) from None
+        if got != revision:
+            raise ReplicaError(
+                f"load of revision {revision} on {self.base_url}: /weight_info says {got!r}"
+            )
+        self.known_version = revision
+
+    async def finish_open_update(self, timeout: float = CONTROL_TIMEOUT_S) -> bool:
+        """ONE bare ``POST /finish_weight_update``: True if it closed an open update,
+        False on vLLM's 500 for "no update open". Only for :meth:`recover`."""
+        try:
+            await self._call("POST", "/finish_weight_update", timeout)
+        except ReplicaError as exc:
+            if exc.status == 500:
+                return False
+            raise
+        return True
+
+    async def recover(self, timeout: float = CONTROL_TIMEOUT_S) -> None:
+        """First sight of the replica, or after our own load broke off (VLLM_API.md):
+        resume it if paused, close any open weight update with one bare finish, and count
+        its version as unknown until a full :meth:`load`."""
+        self.epoch += 1
+        self.known_version = None
+        if await self.is_paused(timeout):
+            await self.resume(timeout)
+        await self.finish_open_update(timeout)
+
+    async def complete(self, kind: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """POST ``body`` to ``/v1/completions`` (kind "completion") or
+        ``/v1/chat/completions`` (kind "chat"); the response's JSON object."""
+        path = _PATHS.get(kind)
+        if path is None:
+            raise ValueError(f"kind must be one of {tuple(_PATHS)}, got {kind!r}")
+        return await self._json("POST", path, timeout, json_body=body)

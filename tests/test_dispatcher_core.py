@@ -1,0 +1,200 @@
+"""The dispatcher's pure rules, table-driven: commit rule, request body, next revision,
+turn end, model parsing."""
+
+from __future__ import annotations
+
+import array
+import json
+from typing import Any
+
+import pytest
+
+from dispatcher.core import (
+    TurnPlan,
+    commit_ok,
+    next_revision,
+    parse_body,
+    parse_model,
+    request_body,
+    result_ok,
+    weight_versions,
+)
+from dispatcher.errors import BadRequest
+from dispatcher.store import Pending
+
+
+def _pending(revision: str = "r2", n: int | None = None, kind: str = "completion") -> Pending:
+    params: dict[str, Any] = {"max_tokens": 4, "temperature": 0.5}
+    if n is not None:
+        params["n"] = n
+    return Pending(
+        id="smp-000000000000000000000001",
+        pool="pool-a",
+        revision=revision,
+        kind=kind,
+        params=params,
+        prompt=array.array("i", [1, 2, 3]) if kind == "completion" else None,
+        messages=b'[{"role":"user","content":"hi"}]' if kind == "chat" else None,
+        accepted_at=0.0,
+        deadline=3600.0,
+        attempts=0,
+    )
+
+
+def _span(version: str, start: int = 0, end: int = 4) -> dict[str, Any]:
+    return {"version": version, "start": start, "end": end}
+
+
+# (case, weight versions per choice, loaded revision, epoch at send, epoch now, ok)
+_COMMIT: list[tuple[str, list[list[dict[str, Any]]], str, int, int, bool]] = [
+    ("ok", [[_span("r2")]], "r2", 3, 3, True),
+    ("ok two choices", [[_span("r2")], [_span("r2")]], "r2", 3, 3, True),
+    ("ok split spans same version", [[_span("r2", 0, 2), _span("r2", 2, 4)]], "r2", 1, 1, True),
+    ("wrong version", [[_span("r1")]], "r2", 3, 3, False),
+    ("mixed versions in a choice", [[_span("r1", 0, 2), _span("r2", 2, 4)]], "r2", 3, 3, False),
+    ("mixed across choices", [[_span("r2")], [_span("r1")]], "r2", 3, 3, False),
+    ("epoch changed (slept)", [[_span("r2")]], "r2", 3, 4, False),
+    ("loaded is another revision", [[_span("r2")]], "r3", 3, 3, False),
+    ("no choices", [], "r2", 3, 3, False),
+    ("a choice without versions", [[_span("r2")], []], "r2", 3, 3, False),
+    ("default label", [[_span("default")]], "r2", 0, 0, False),
+    ("span without version", [[{"start": 0, "end": 4}]], "r2", 0, 0, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "versions", "loaded", "sent", "now", "ok"), _COMMIT, ids=[c[0] for c in _COMMIT]
+)
+def test_commit_rule(
+    case: str,
+    versions: list[list[dict[str, Any]]],
+    loaded: str,
+    sent: int,
+    now: int,
+    ok: bool,
+) -> None:
+    assert commit_ok(_pending(), versions, loaded, sent, now) is ok
+
+
+def _response(*choices: dict[str, Any]) -> dict[str, Any]:
+    return {"id": "cmpl-1", "object": "text_completion", "choices": list(choices)}
+
+
+def _choice(version: str = "r2", finish: str = "length") -> dict[str, Any]:
+    return {
+        "index": 0,
+        "text": "abcd",
+        "finish_reason": finish,
+        "weight_versions": [_span(version)],
+    }
+
+
+_RESULT: list[tuple[str, dict[str, Any], int | None, bool]] = [
+    ("ok", _response(_choice()), None, True),
+    ("aborted by a sleep", _response(_choice(finish="abort")), None, False),
+    ("n=2 but one choice", _response(_choice()), 2, False),
+    ("n=2 ok", _response(_choice(), _choice()), 2, True),
+    ("no choices key", {"error": "x"}, None, False),
+    ("choice not an object", _response("x"), None, False),  # type: ignore[arg-type]
+    ("no weight_versions", _response({"index": 0, "finish_reason": "stop"}), None, False),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "n", "ok"), _RESULT, ids=[c[0] for c in _RESULT])
+def test_result_ok(case: str, body: dict[str, Any], n: int | None, ok: bool) -> None:
+    assert result_ok(_pending(n=n), body, "r2", 1, 1) is ok
+
+
+def test_weight_versions_extraction() -> None:
+    body = _response(_choice("r1"), {"index": 1})
+    assert weight_versions(body) == [[_span("r1")], []]
+    assert weight_versions({}) == []
+
+
+def test_request_body_completion_and_chat() -> None:
+    p = _pending()
+    body = request_body(p, "served-model")
+    assert body == {
+        "max_tokens": 4,
+        "temperature": 0.5,
+        "prompt": [1, 2, 3],
+        "model": "served-model",
+        "return_weight_versions": True,
+        "stream": False,
+    }
+    json.dumps(body)  # plain JSON types only
+    body["max_tokens"] = 99
+    assert p.params["max_tokens"] == 4  # the pending params are not aliased
+    text = _pending()
+    text.prompt = "héllo".encode()
+    assert request_body(text, "m")["prompt"] == "héllo"
+    chat = request_body(_pending(kind="chat"), "m")
+    assert chat["messages"] == [{"role": "user", "content": "hi"}] and "prompt" not in chat
+
+
+def test_parse_body_roundtrip_through_request_body() -> None:
+    parsed = parse_body(
+        "completion",
+        {"prompt": [7, 8], "model": "m@r5", "stream": True, "return_weight_versions": False,
+         "stop": ["\n"], "logprobs": 2},
+        32768,
+        1 << 20,
+    )  # fmt: skip
+    assert parsed.revision == "r5"
+    assert parsed.params == {"stop": ["\n"], "logprobs": 2}
+    assert isinstance(parsed.prompt, array.array) and parsed.prompt.itemsize == 4
+
+
+@pytest.mark.parametrize(
+    ("model", "name", "rev"),
+    [
+        ("llama", "llama", None),
+        ("llama@r1", "llama", "r1"),
+        ("org/m@x@step-3", "org/m@x", "step-3"),
+    ],
+)
+def test_parse_model(model: str, name: str, rev: str | None) -> None:
+    assert parse_model(model) == (name, rev)
+
+
+def test_parse_model_empty_revision() -> None:
+    with pytest.raises(BadRequest, match="names no revision"):
+        parse_model("llama@")
+
+
+@pytest.mark.parametrize(
+    ("pending", "loaded", "want"),
+    [
+        ([], None, None),
+        ([], "r1", None),
+        (["r1", "r2"], None, "r1"),
+        (["r1", "r2"], "r2", "r2"),  # no reload while the loaded one has work
+        (["r1", "r2"], "r3", "r1"),
+    ],
+)
+def test_next_revision(pending: list[str], loaded: str | None, want: str | None) -> None:
+    assert next_revision(pending, loaded) == want
+
+
+# (now, turn started, waiting seen at, pending for replica, turn_seconds, end)
+_TURN: list[tuple[float, float, float | None, int, float, bool]] = [
+    (5, 0, None, 0, 30, True),  # nothing to do
+    (500, 0, None, 3, 30, False),  # nobody waits: keep serving
+    (10, 0, 1, 3, 30, False),  # a waiter, but within turn_seconds
+    (30, 0, 1, 3, 30, True),
+    (40, 0, 39, 3, 30, True),  # a late waiter does not get a fresh window
+    (40, 0, 39, 0, 30, True),
+]
+
+
+@pytest.mark.parametrize(("now", "started", "waiting", "pending", "secs", "end"), _TURN)
+def test_turn_plan(
+    now: float, started: float, waiting: float | None, pending: int, secs: float, end: bool
+) -> None:
+    assert TurnPlan.should_end(now, started, waiting, pending, secs) is end
+
+
+def test_turn_plan_ends_at() -> None:
+    plan = TurnPlan(turn_seconds=30)
+    assert plan.ends_at(100, None) is None
+    assert plan.ends_at(100, 120) == 130

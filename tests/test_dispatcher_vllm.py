@@ -1,0 +1,328 @@
+"""The replica client against the VLLM_API.md contract (httpx.MockTransport), every call
+bounded in virtual time, and once against the real vLLM stub when it boots."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from dispatcher.errors import ReplicaError
+from dispatcher.vllm import Replica
+
+
+def _err(status: int, message: str) -> httpx.Response:
+    typ = "BadRequestError" if status == 400 else "InternalServerError"
+    return httpx.Response(
+        status,
+        json={"error": {"message": message, "type": typ, "param": None, "code": status}},
+    )
+
+
+class FakeVllm:
+    """The routes of VLLM_API.md with their status codes and bodies, in memory."""
+
+    def __init__(self) -> None:
+        self.asleep = False
+        self.paused = False
+        self.version = "default"
+        self.loaded_path: str | None = None
+        self.update_open = False
+        self.fail_reload: str | None = None
+        self.calls: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        self.calls.append(f"{request.method} {path}")
+        body: Any = json.loads(request.content) if request.content else None
+        q = request.url.params
+        route = (request.method, path)
+        if route == ("GET", "/health"):
+            return httpx.Response(200)
+        if route == ("POST", "/sleep"):
+            assert q.get("level") in ("0", "1", "2") and q.get("mode") in ("abort", "wait", "keep")
+            self.asleep = True
+            return httpx.Response(200, json={"status": "sleeping", "level": int(q["level"])})
+        if route == ("POST", "/wake_up"):
+            self.asleep = self.paused = False
+            return httpx.Response(200, json={"status": "awake", "tags": None})
+        if route == ("GET", "/is_sleeping"):
+            return httpx.Response(200, json={"is_sleeping": self.asleep or self.paused})
+        if route == ("GET", "/is_paused"):
+            return httpx.Response(200, json={"is_paused": self.asleep or self.paused})
+        if route == ("POST", "/resume"):
+            self.paused = False
+            return httpx.Response(200, json={"status": "resumed"})
+        if route == ("POST", "/collective_rpc"):
+            assert body["method"] == "reload_weights"
+            if self.fail_reload:
+                return _err(500, f"worker error: {self.fail_reload}")
+            self.loaded_path = body["kwargs"]["weights_path"]
+            return httpx.Response(200, json={"results": [None]})
+        if route == ("POST", "/update_weight_version"):
+            self.version = body["new_version"]
+            return httpx.Response(200, json={"success": True, "new_version": self.version})
+        if route == ("POST", "/reset_prefix_cache"):
+            return httpx.Response(200, json={"success": True})
+        if route == ("GET", "/weight_info"):
+            return httpx.Response(200, json={"weight_version": self.version})
+        if route == ("POST", "/finish_weight_update"):
+            if not self.update_open:
+                return _err(500, "No weight update in progress")
+            self.update_open = False
+            return httpx.Response(200, json={"message": "Weight update finished"})
+        if route in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+            if not isinstance(body.get("max_tokens", 16), int):
+                return _err(400, "max_tokens must be an integer")
+            choice = {"index": 0, "text": "ab", "finish_reason": "length"}
+            if body.get("return_weight_versions"):
+                choice["weight_versions"] = [{"version": self.version, "start": 0, "end": 2}]
+            return httpx.Response(200, json={"object": "text_completion", "choices": [choice]})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+
+@pytest.fixture
+def fake() -> FakeVllm:
+    return FakeVllm()
+
+
+async def test_turn_cycle(fake: FakeVllm) -> None:
+    async with Replica("http://vllm", transport=httpx.MockTransport(fake)) as r:
+        assert await r.health()
+        assert r.known_version is None
+        await r.recover()  # first sight
+        assert fake.calls[-1] == "POST /finish_weight_update"  # one bare finish
+        assert fake.calls.count("POST /finish_weight_update") == 1
+        await r.wake()
+        assert not await r.is_sleeping() and not await r.is_paused()
+        assert await r.weight_version() == "default"
+        epoch = r.epoch
+        await r.load("r1", "/ckpt/r1")
+        assert r.epoch == epoch + 1 and r.known_version == "r1"
+        assert (fake.version, fake.loaded_path) == ("r1", "/ckpt/r1")
+        out = await r.complete(
+            "completion", {"prompt": [1], "return_weight_versions": True}, timeout=60
+        )
+        assert out["choices"][0]["weight_versions"][0]["version"] == "r1"
+        chat = await r.complete("chat", {"messages": []}, timeout=60)
+        assert chat["choices"][0]["text"] == "ab"
+        await r.sleep()
+        assert r.epoch == epoch + 2 and fake.asleep and await r.is_sleeping()
+        assert r.known_version == "r1"  # level 1 keeps the weights
+        await r.sleep(level=2, mode="wait")
+        assert r.known_version is None
+
+
+async def test_recover_resumes_and_closes_an_open_update(fake: FakeVllm) -> None:
+    fake.paused = fake.update_open = True
+    async with Replica("http://vllm", transport=httpx.MockTransport(fake)) as r:
+        r.known_version = "r1"
+        await r.recover()
+        assert not fake.paused and not fake.update_open and r.known_version is None
+        assert fake.calls == ["GET /is_paused", "POST /resume", "POST /finish_weight_update"]
+        assert await r.finish_open_update() is False  # the 500 "no update open"
+
+
+async def test_errors_carry_status_and_vllm_message(fake: FakeVllm) -> None:
+    async with Replica("http://vllm", transport=httpx.MockTransport(fake)) as r:
+        with pytest.raises(ReplicaError, match="HTTP 400: max_tokens must be an integer") as e:
+            await r.complete("completion", {"max_tokens": "x"}, timeout=5)
+        assert e.value.status == 400
+        fake.fail_reload = "FileNotFoundError: /ckpt/r9/model.safetensors"
+        with pytest.raises(ReplicaError, match="HTTP 500: worker error: FileNotFoundError") as e:
+            await r.load("r9", "/ckpt/r9")
+        assert e.value.status == 500 and r.known_version is None
+        with pytest.raises(ValueError):
+            await r.sleep(level=3)
+        with pytest.raises(ValueError):
+            await r.complete("embedding", {}, timeout=5)
+
+
+async def test_load_checks_weight_info_and_cache_reset() -> None:
+    def lying(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": "stale"})
+        if request.url.path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        return httpx.Response(200, json={})
+
+    async with Replica("http://vllm", transport=httpx.MockTransport(lying)) as r:
+        with pytest.raises(ReplicaError, match="/weight_info says 'stale'"):
+            await r.load("r1", "/ckpt/r1")
+        assert r.known_version is None
+
+    def no_reset(request: httpx.Request) -> httpx.Response:
+        ok = request.url.path != "/reset_prefix_cache"
+        return httpx.Response(200, json={"success": ok, "weight_version": "r1"})
+
+    async with Replica("http://vllm", transport=httpx.MockTransport(no_reset)) as r:
+        with pytest.raises(ReplicaError, match="cache was not reset"):
+            await r.load("r1", "/ckpt/r1")
+
+
+async def test_malformed_and_unreachable() -> None:
+    def garbage(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"<html>")
+
+    async with Replica("http://vllm", transport=httpx.MockTransport(garbage)) as r:
+        with pytest.raises(ReplicaError, match="expected a JSON object") as e:
+            await r.weight_version()
+        assert e.value.status is None
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("Connection refused", request=request)
+
+    async with Replica("http://vllm", transport=httpx.MockTransport(refused)) as r:
+        assert await r.health() is False
+        with pytest.raises(ReplicaError, match="ConnectError: Connection refused"):
+            await r.wake()
+
+
+async def _hang(request: httpx.Request) -> httpx.Response:
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+_BOUNDED: list[tuple[str, float]] = [
+    ("wake", 300),
+    ("sleep", 300),
+    ("is_sleeping", 30),
+    ("is_paused", 30),
+    ("resume", 30),
+    ("weight_version", 30),
+    ("load", 1800),
+    ("finish_open_update", 30),
+    ("recover", 30),
+    ("complete", 120),
+]
+
+
+@pytest.mark.parametrize(("call", "bound"), _BOUNDED)
+async def test_every_call_is_bounded(autojump_clock: Any, call: str, bound: float) -> None:
+    async with Replica("http://vllm", transport=httpx.MockTransport(_hang)) as r:
+        start = trio.current_time()
+        with pytest.raises(ReplicaError, match=f"within {bound:g} s") as e:
+            if call == "load":
+                await r.load("r1", "/ckpt/r1")
+            elif call == "complete":
+                await r.complete("completion", {"prompt": [1]}, timeout=120)
+            else:
+                await getattr(r, call)()
+        assert trio.current_time() - start == pytest.approx(bound)
+        assert e.value.status is None
+
+
+async def test_health_is_bounded_and_false(autojump_clock: Any) -> None:
+    async with Replica("http://vllm", transport=httpx.MockTransport(_hang)) as r:
+        start = trio.current_time()
+        assert await r.health(timeout=10) is False
+        assert trio.current_time() - start == pytest.approx(10)
+
+
+async def test_load_is_bounded_as_a_whole(autojump_clock: Any) -> None:
+    """Each step answers in 400 s, below the bound, yet the sequence stops at 1000 s."""
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await trio.sleep(400)
+        return httpx.Response(200, json={"success": True, "weight_version": "r1"})
+
+    async with Replica("http://vllm", transport=httpx.MockTransport(slow)) as r:
+        start = trio.current_time()
+        with pytest.raises(ReplicaError, match="not done within 1000 s"):
+            await r.load("r1", "/ckpt/r1", timeout=1000)
+        assert trio.current_time() - start == pytest.approx(1000)
+        assert r.known_version is None
+
+
+# -- against the real stub ------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def vllm_stub(tmp_path: Path) -> Iterator[str]:
+    if not (Path(__file__).parent.parent / "stubs" / "vllm_stub" / "__main__.py").exists():
+        pytest.skip("stubs/vllm_stub is not there")
+    try:
+        from stubs.fakegpu import Ledger
+    except ImportError as exc:  # pragma: no cover - depends on the stub's presence
+        pytest.skip(f"no fake GPU ledger: {exc}")
+    gpu_dir = tmp_path / "gpu"
+    Ledger.init(gpu_dir, 1, 80 << 30)
+    port = _free_port()
+    env = {**os.environ, "FAKEGPU_DIR": str(gpu_dir), "VLLM_SERVER_DEV_MODE": "1"}
+    log = (tmp_path / "stub.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stubs.vllm_stub", "serve", "m", "--port", str(port),
+         "--enable-sleep-mode"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                pytest.skip(f"the vLLM stub exited {proc.returncode} at boot")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.skip("the vLLM stub did not become healthy within 30 s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.integration
+async def test_against_vllm_stub(vllm_stub: str, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt-r7"
+    ckpt.mkdir()
+    (ckpt / "revision.txt").write_text("r7\n")
+    async with Replica(vllm_stub) as r:
+        assert await r.health()
+        await r.recover()
+        await r.sleep()
+        assert await r.is_sleeping()
+        await r.wake()
+        assert not await r.is_sleeping()
+        await r.load("r7", str(ckpt), timeout=60)
+        assert await r.weight_version() == "r7" and r.known_version == "r7"
+        out = await r.complete(
+            "completion",
+            {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "return_weight_versions": True},
+            timeout=60,
+        )
+        spans = out["choices"][0]["weight_versions"]
+        assert spans and all(s["version"] == "r7" for s in spans)
+        chat = await r.complete(
+            "chat",
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+             "return_weight_versions": True},
+            timeout=60,
+        )  # fmt: skip
+        assert chat["choices"][0]["weight_versions"][0]["version"] == "r7"
+        await r.sleep()
+        assert await r.is_sleeping()
