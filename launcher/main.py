@@ -1,0 +1,117 @@
+"""`slicer-launch`: register a workload with slicerd and supervise its processes.
+
+    slicer-launch run  --workload trainer -- python train.py
+    slicer-launch vllm --workload sampler --ready-file /run/ready -- vllm serve MODEL
+
+Exit codes:
+    N     the child's own exit code (128+S when it died of signal S), also after a
+          SIGTERM/SIGINT to the launcher was forwarded to it (137: SIGKILLed after grace)
+    1     vLLM profile: the replica never got ready (exited early, /sleep failed, ...)
+    2     bad command line
+    69    slicerd could not be reached for the first REGISTER (--connect-timeout)
+    70    a FAULT arrived: the child's process group was stopped
+    75    vLLM profile: boot turn not granted in --boot-timeout, or not healthy in
+          --health-timeout
+    78    slicerd refused the REGISTER (name taken, unknown GPU, forbidden)
+    126   COMMAND could not be executed; 127: COMMAND not found
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+import trio
+
+import proto
+from launcher.config import LaunchConfig, VllmConfig, setup_logging
+from launcher.supervise import Profile, Supervisor
+from launcher.vllm import VllmProfile
+
+
+def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return proto.parse_size(value)
+    except proto.ProtocolError as e:
+        raise click.BadParameter(str(e)) from e
+
+
+def _common(park: str, parked_max: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def deco(f: Callable[..., Any]) -> Callable[..., Any]:
+        for opt in reversed(
+            [
+                click.option("--workload", required=True, help="workload name to register"),
+                click.option("--gpu", help="GPU index or UUID (slicerd default: 0)"),
+                click.option(
+                    "--park",
+                    type=click.Choice(["checkpoint", "cooperative"]),
+                    default=park,
+                    show_default=True,
+                ),
+                click.option(
+                    "--parked-max",
+                    default=parked_max,
+                    callback=_size,
+                    show_default=True,
+                    help="GPU bytes the parked workload may keep (KiB/MiB/GiB suffixes)",
+                ),
+                click.option("--socket", help="slicerd socket (default $SLICER_SOCKET)"),
+                click.option("--kill-grace", type=float, default=5.0, show_default=True),
+                click.option("--connect-timeout", type=float, default=30.0, show_default=True),
+                click.option("--log-level", default="info", show_default=True),
+                click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED),
+            ]
+        ):
+            f = opt(f)
+        return f
+
+    return deco
+
+
+def _launch(kw: dict[str, Any], profile: Profile) -> None:
+    command = list(kw.pop("command"))
+    setup_logging(kw["workload"], kw.pop("log_level"))
+    cfg = LaunchConfig(**kw)
+    sys.exit(trio.run(Supervisor(cfg, command, profile).run))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Register a workload with slicerd and supervise its processes."""
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@_common("checkpoint", "0")
+def run(**kw: Any) -> None:
+    """Run COMMAND as workload NAME for its whole life (exit: the child's code)."""
+    _launch(kw, Profile())
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@_common("cooperative", "4GiB")
+@click.option("--ready-file", type=click.Path(path_type=Path), help="ready marker")
+@click.option("--boot-timeout", type=float, default=900.0, show_default=True)
+@click.option("--health-timeout", type=float, default=600.0, show_default=True)
+@click.option("--sleep-level", type=click.IntRange(1, 2), default=1, show_default=True)
+@click.option("--sleep-timeout", type=float, default=300.0, show_default=True)
+@click.option("--no-sleep-mode-flag", is_flag=True, help="do not add --enable-sleep-mode")
+def vllm(**kw: Any) -> None:
+    """Boot `vllm serve` in a boot turn, sleep it, release, then supervise it."""
+    vcfg = VllmConfig(
+        ready_file=kw.pop("ready_file"),
+        boot_timeout=kw.pop("boot_timeout"),
+        health_timeout=kw.pop("health_timeout"),
+        sleep_level=kw.pop("sleep_level"),
+        sleep_timeout=kw.pop("sleep_timeout"),
+        sleep_mode_flag=not kw.pop("no_sleep_mode_flag"),
+    )
+    _launch(kw, VllmProfile(vcfg, kw["workload"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The registrant connection: REGISTER once, read it for the launcher's whole life,
+re-REGISTER after a drop.
+
+Theory of operation
+-------------------
+The workload lives exactly as long as this connection, so the launcher keeps it open
+while the child runs and closes it when the child is gone. It is registered with the
+launcher's own pid and `tree=1`: every process the child spawns, at any depth, counts.
+
+One task (`serve`) owns reading the connection: a FAULT may arrive at any moment and
+must reach the supervisor at once. Nothing else sends on it after REGISTER (a boot turn
+uses a connection of its own), so replies and events never interleave.
+
+When the connection drops (slicerd restarted, crashed, or closed us), `serve` reconnects
+with exponential backoff (`backoff_min` .. `backoff_max`, each attempt bounded by
+`request_timeout`) and REGISTERs the same name for the same pid: a restarted daemon
+adopts the parked state it journalled for that process. It keeps trying forever; the
+child is never killed for a lost daemon.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+import proto
+from launcher.config import LaunchConfig, log
+from slicer.client import AsyncSlicer, ClientError, Unreachable, socket_path
+
+
+def _why(e: BaseException) -> str:
+    """A short reason (TooSlowError has no text)."""
+    return str(e) or type(e).__name__
+
+
+class Refused(Exception):
+    """slicerd answered the first REGISTER with ERR (`code` is the wire code)."""
+
+    def __init__(self, err: ClientError) -> None:
+        super().__init__(str(err))
+        self.code = err.code
+
+
+class Registration:
+    """The workload's registration, kept and re-made for the launcher's whole life."""
+
+    def __init__(self, cfg: LaunchConfig, on_fault: Callable[[proto.Fault], None]) -> None:
+        self.cfg = cfg
+        self.socket = os.path.abspath(socket_path(cfg.socket))
+        self.on_fault = on_fault
+        self.conn: AsyncSlicer | None = None
+        self.registrations = 0  # how many REGISTERs succeeded (1 + reconnects)
+
+    def _fields(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "pid": os.getpid(),
+            "tree": True,
+            "park": self.cfg.park,
+            "parked_max": self.cfg.parked_max,
+        }
+        if self.cfg.gpu is not None:
+            kw["gpu"] = self.cfg.gpu
+        return kw
+
+    async def _attempt(self) -> AsyncSlicer:
+        """One bounded connect + REGISTER; the open connection on success."""
+        with trio.fail_after(self.cfg.request_timeout):
+            conn = await AsyncSlicer.connect(self.socket)
+            try:
+                reply = await conn.register(self.cfg.workload, **self._fields())
+            except BaseException:
+                await conn.aclose()
+                raise
+        self.registrations += 1
+        log.info(
+            "registered %s gpu=%s state=%s (pid %d, tree)",
+            self.cfg.workload,
+            reply.get("gpu"),
+            reply.get("state"),
+            os.getpid(),
+        )
+        return conn
+
+    async def open(self) -> None:
+        """The first REGISTER: retry an unreachable daemon up to `connect_timeout`.
+
+        Raises Refused on ERR, Unreachable when the daemon stayed out of reach.
+        """
+        delay = self.cfg.backoff_min
+        deadline = trio.current_time() + self.cfg.connect_timeout
+        while True:
+            try:
+                self.conn = await self._attempt()
+                return
+            except ClientError as e:
+                if not isinstance(e, Unreachable):
+                    raise Refused(e) from e
+                err: Exception = e
+            except trio.TooSlowError as e:
+                err = e
+            if trio.current_time() + delay > deadline:
+                raise Unreachable(f"slicerd at {self.socket}: {_why(err)}")
+            log.warning("cannot register yet (%s); retrying in %.1f s", _why(err), delay)
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.cfg.backoff_max)
+
+    async def _reconnect(self) -> AsyncSlicer:
+        """Connect and re-REGISTER, with backoff, forever (each attempt bounded)."""
+        delay = self.cfg.backoff_min
+        while True:
+            try:
+                return await self._attempt()
+            except (ClientError, proto.ProtocolError, trio.TooSlowError) as e:
+                log.warning("re-register failed (%s); retrying in %.1f s", _why(e), delay)
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.cfg.backoff_max)
+
+    async def serve(self) -> None:
+        """Read the registrant connection forever; FAULTs go to `on_fault`; reconnect
+        after a drop. Cancel it to stop (then `aclose`)."""
+        while True:
+            if self.conn is None:
+                self.conn = await self._reconnect()
+            try:
+                while True:
+                    msg = await self.conn.next_message()
+                    if isinstance(msg, proto.Fault):
+                        log.error("FAULT turn=%d reason=%s %s", msg.turn, msg.reason, msg.text)
+                        self.on_fault(msg)
+                    elif isinstance(msg, proto.Waiting):
+                        log.debug("WAITING turn=%d waiters=%d", msg.turn, msg.waiters)
+            except (Unreachable, proto.ProtocolError) as e:
+                log.warning("lost slicerd (%s): reconnecting", e)
+            conn, self.conn = self.conn, None
+            await conn.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection: the daemon ends the registration."""
+        if self.conn is not None:
+            conn, self.conn = self.conn, None
+            with trio.CancelScope(shield=True):
+                await conn.aclose()

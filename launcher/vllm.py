@@ -1,0 +1,210 @@
+"""The vLLM profile: boot `vllm serve` inside a turn, sleep it, give the GPU back.
+
+Theory of operation
+-------------------
+vLLM takes most of the GPU the moment it starts, so it may only boot while it holds a
+turn. Before the child starts, `before_start` ACQUIREs a *boot turn* for the workload on
+a connection of its own (bounded by `--boot-timeout` through `wait=`); the registrant
+connection stays owned by its reader. Then `after_start`:
+
+1. polls `GET /health` every 0.25 s (each probe bounded) until 200, within
+   `--health-timeout`; a child that exits ends the wait at once (the supervisor
+   cancels the flow);
+2. `POST /sleep?level=N` and checks `GET /is_sleeping` is true;
+3. RELEASEs the boot turn with `park=now`, so slicerd verifies, through the GPU backend,
+   that the slept replica holds no more than `parked_max` (or checkpoints it, with
+   `--park checkpoint`) before the replica is declared ready;
+4. writes the ready marker atomically and sends READY=1 to systemd.
+
+The ready marker exists exactly while the replica can serve: a stale one is removed at
+start, and it is removed on every stop, FAULT first of all. A failed boot leaves
+nothing behind: the supervisor stops the child by the grace rule and closing the boot
+connection ends the turn even if RELEASE never went out.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+import trio
+
+from launcher.child import Child
+from launcher.config import Exit, VllmConfig, log
+from launcher.supervise import BootFailed, Profile, Supervisor
+from slicer.client import AsyncSlicer, ClientError, Turn, Unreachable
+from slicer.notify import sd_notify
+
+SLEEP_FLAG = "--enable-sleep-mode"
+PROBE_TIMEOUT = 2.0  # one /health probe
+CALL_TIMEOUT = 30.0  # /is_sleeping and RELEASE
+
+
+def _flag(argv: Sequence[str], name: str) -> str | None:
+    """The value of `--name X` or `--name=X` in argv (the last one wins), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def server_url(argv: Sequence[str]) -> str:
+    """http://HOST:PORT of the server `argv` starts (a wildcard host reads as loopback)."""
+    host = _flag(argv, "--host") or "127.0.0.1"
+    port = _flag(argv, "--port") or "8000"
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{int(port)}"
+
+
+def write_marker(path: Path, text: str) -> None:
+    """Write `path` atomically (a temporary file renamed over it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class VllmProfile(Profile):
+    """Boot turn, health, sleep, release, ready marker."""
+
+    boots = True
+
+    def __init__(self, cfg: VllmConfig, workload: str) -> None:
+        self.cfg = cfg
+        self.workload = workload
+        self.url = "http://127.0.0.1:8000"
+        self._boot: AsyncSlicer | None = None
+        self._turn: Turn | None = None
+        self._t0 = self._launched = time.monotonic()
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """argv plus --enable-sleep-mode (unless present or turned off)."""
+        out = list(argv)
+        if self.cfg.sleep_mode_flag and SLEEP_FLAG not in out:
+            out.append(SLEEP_FLAG)
+        self.url = server_url(out)
+        return out
+
+    def env(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The dev routes (/sleep, /is_sleeping) need VLLM_SERVER_DEV_MODE=1."""
+        return {**base, "VLLM_SERVER_DEV_MODE": "1"}
+
+    def not_ready(self) -> None:
+        """Remove the ready marker (idempotent)."""
+        self.ready = False
+        if self.cfg.ready_file is not None:
+            try:
+                self.cfg.ready_file.unlink()
+                log.info("removed ready marker %s", self.cfg.ready_file)
+            except FileNotFoundError:
+                pass
+
+    async def before_start(self, sup: Supervisor) -> None:
+        """ACQUIRE the boot turn on a connection of its own, within --boot-timeout."""
+        timeout = self.cfg.boot_timeout
+        log.info("waiting for a boot turn (at most %.0f s)", timeout)
+        with trio.move_on_after(timeout + 5) as scope:
+            try:
+                with trio.fail_after(sup.cfg.request_timeout):
+                    self._boot = await AsyncSlicer.connect(sup.reg.socket)
+                self._turn = await self._boot.acquire(self.workload, wait=timeout)
+            except (Unreachable, trio.TooSlowError) as e:
+                raise BootFailed(
+                    Exit.FAILED, f"slicerd lost while waiting for a turn: {e!r}"
+                ) from e
+            except ClientError as e:
+                if e.code == "timeout":
+                    msg = f"boot turn not granted in {timeout:.0f} s"
+                    raise BootFailed(Exit.TIMEOUT, msg) from e
+                raise BootFailed(Exit.FAILED, f"boot turn refused: {e}") from e
+        if scope.cancelled_caught:
+            raise BootFailed(Exit.TIMEOUT, f"boot turn not granted in {timeout:.0f} s")
+        assert self._turn is not None
+        log.info("boot turn %d granted (waited %d ms)", self._turn.turn, self._turn.waited_ms)
+        self._t0 = time.monotonic()
+
+    async def after_start(self, sup: Supervisor, child: Child) -> None:
+        """Health, sleep, release, marker, READY=1."""
+        async with httpx.AsyncClient(base_url=self.url, timeout=PROBE_TIMEOUT) as http:
+            await self._wait_healthy(http)
+            healthy = time.monotonic() - self._t0
+            await self._sleep(http)
+        slept = time.monotonic() - self._t0
+        await self._release()
+        if self.cfg.ready_file is not None:
+            try:
+                write_marker(self.cfg.ready_file, f"{self.workload} {child.pid} {self.url}\n")
+            except OSError as e:
+                raise BootFailed(Exit.FAILED, f"cannot write the ready marker: {e}") from e
+        self.ready = self.ready_seen = True
+        sd_notify("READY=1")
+        log.info(
+            "ready %.2f s after the boot turn (healthy at %.2f s, slept at %.2f s; "
+            "%.2f s since launch)",
+            time.monotonic() - self._t0,
+            healthy,
+            slept,
+            time.monotonic() - self._launched,
+        )
+
+    async def _wait_healthy(self, http: httpx.AsyncClient) -> None:
+        log.info("waiting for %s/health (at most %.0f s)", self.url, self.cfg.health_timeout)
+        with trio.move_on_after(self.cfg.health_timeout):
+            while True:
+                try:
+                    r = await http.get("/health")
+                    if r.status_code == 200:
+                        log.info("healthy")
+                        return
+                    log.debug("/health: %d", r.status_code)
+                except httpx.HTTPError as e:
+                    log.debug("/health: %s", e)
+                await trio.sleep(self.cfg.health_poll)
+        raise BootFailed(Exit.TIMEOUT, f"not healthy in {self.cfg.health_timeout:.0f} s")
+
+    async def _sleep(self, http: httpx.AsyncClient) -> None:
+        level = self.cfg.sleep_level
+        try:
+            r = await http.post(f"/sleep?level={level}", timeout=self.cfg.sleep_timeout)
+            if r.status_code != 200:
+                raise BootFailed(Exit.FAILED, f"POST /sleep: {r.status_code} {r.text[:300]}")
+            r = await http.get("/is_sleeping", timeout=CALL_TIMEOUT)
+            if r.status_code != 200 or r.json().get("is_sleeping") is not True:
+                raise BootFailed(Exit.FAILED, f"not asleep after /sleep: {r.status_code} {r.text}")
+        except httpx.TimeoutException as e:
+            raise BootFailed(Exit.TIMEOUT, f"sleep timed out: {e!r}") from e
+        except (httpx.HTTPError, ValueError) as e:
+            raise BootFailed(Exit.FAILED, f"sleep failed: {e!r}") from e
+        log.info("slept (level %d)", level)
+
+    async def _release(self) -> None:
+        assert self._boot is not None and self._turn is not None
+        try:
+            with trio.fail_after(self.cfg.sleep_timeout):
+                out = await self._boot.release(self.workload, self._turn.turn, park="now")
+        except Unreachable as e:
+            log.warning("lost slicerd before RELEASE (%s): the turn ended with it", e)
+        except ClientError as e:
+            raise BootFailed(Exit.FAILED, f"RELEASE of the boot turn failed: {e}") from e
+        except trio.TooSlowError as e:
+            raise BootFailed(Exit.TIMEOUT, "RELEASE of the boot turn timed out") from e
+        else:
+            log.info("boot turn %d released (parked=%s)", self._turn.turn, out.get("parked"))
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the boot connection (that alone ends a turn still held)."""
+        if self._boot is not None:
+            boot, self._boot = self._boot, None
+            with trio.CancelScope(shield=True):
+                await boot.aclose()
