@@ -243,14 +243,18 @@ class Slicer:
             self._sock.sendall(proto.encode(req))
         except OSError as e:
             raise Unreachable(f"connection lost: {e}") from e
+        fault: proto.Fault | None = None
         while True:
             msg = self._line(timeout)
             if isinstance(msg, proto.Ok | proto.Err):
+                # The reply is consumed before a FAULT is raised, so the connection stays
+                # in step (the next request reads its own reply).
+                if fault is not None:
+                    raise Faulted(fault)
                 return _ok_or_raise(msg)
-            if isinstance(msg, proto.Fault):
-                self.events.append(msg)
-                raise Faulted(msg)
             self.events.append(msg)
+            if isinstance(msg, proto.Fault):
+                fault = msg
 
     def _name(self, name: str | None) -> str:
         name = name or self.workload

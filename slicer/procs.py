@@ -90,10 +90,10 @@ def tree(
     return pids
 
 
-def kill_tree(ident: Ident, descendants: bool = True, sig: int = signal.SIGKILL) -> int:
-    """Send `sig` to the process and its descendants; returns how many were signalled."""
+def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> int:
+    """Send `sig` to each pid; returns how many were signalled."""
     n = 0
-    for pid in tree(ident, descendants):
+    for pid in pids:
         try:
             os.kill(pid, sig)
             n += 1

@@ -555,8 +555,10 @@ class Server:
         killed = False
         while True:
             alive = procs.alive(ident)
+            holders: list[int] = []
             try:
-                nbytes = self._census(e.gpu).of(e.wid)
+                taken = self._census(e.gpu)
+                nbytes, holders = taken.of(e.wid), taken.pids_by_wid.get(e.wid, [])
             except Exception:
                 nbytes = 1  # unknown: keep the GPU taken
             fx, done = self.sm.memory_report(e.wid, alive, nbytes, _now())
@@ -564,9 +566,11 @@ class Server:
             if done:
                 return
             late = e.kill_after is not None and trio.current_time() - started >= e.kill_after
-            if alive and late and not killed:
-                n = procs.kill_tree(ident, e.tree)
-                log.error("killed %d processes of faulted workload %s", n, e.workload)
+            if alive and late and not killed and holders:
+                # Only the processes that hold the GPU: the registrant (say, a launcher
+                # that is stopping its child) is left to finish its own cleanup.
+                n = procs.kill_pids(holders)
+                log.error("killed %d GPU processes of faulted workload %s", n, e.workload)
                 killed = True
             await trio.sleep(REAP_EVERY)
 
