@@ -88,6 +88,7 @@ async def test_socket_activation_notify_and_sigterm(tmp_path: Path) -> None:
             proc.wait(10)
     # systemd owns an activated socket: the daemon must not unlink it
     assert os.path.exists(sock_path)
+    assert Ledger(tmp_path / "gpu").overlaps() == 0
     assert not os.path.exists("/nope")
 
 
@@ -114,6 +115,7 @@ async def test_bound_socket_is_removed_on_sigterm_and_refused_while_live(tmp_pat
             proc.kill()
             proc.wait(10)
     assert not os.path.exists(sock)
+    assert Ledger(tmp_path / "gpu").overlaps() == 0
 
 
 async def test_stale_socket_file_is_replaced(tmp_path: Path) -> None:

@@ -142,8 +142,10 @@ async def wait_healthy(stub: Stub) -> None:
 
 
 @pytest.fixture
-def ledger(tmp_path: Path) -> Ledger:
-    return Ledger.init(tmp_path / "gpu", 1, parse_size("80GiB"))
+def ledger(tmp_path: Path) -> Iterator[Ledger]:
+    led = Ledger.init(tmp_path / "gpu", 1, parse_size("80GiB"))
+    yield led
+    assert led.overlaps() == 0, led.overlap_log()
 
 
 # -- the contract table ---------------------------------------------------------------
