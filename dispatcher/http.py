@@ -1,0 +1,322 @@
+"""The HTTP front: an OpenAI-compatible adapter over the turn loop (starlette + hypercorn).
+
+Routes
+------
+``POST /v1/completions``, ``POST /v1/chat/completions``
+    The request is validated, journaled, and the call waits (bounded by the request's
+    deadline) for its result, which is vLLM's own response body (with each choice's
+    ``weight_versions``). The response carries ``x-sample-id``: a client that lost the
+    connection fetches the result with ``GET /v1/samples/{id}``. ``stream: true``
+    returns Server-Sent Events, but results are produced whole inside a turn, so the
+    stream is ``: waiting`` comments every 15 s while pending, then one chunk per choice
+    holding its whole text (``delta`` for chat), then ``data: [DONE]``.
+``POST /v1/samples``
+    The same body plus ``"kind": "completion" | "chat"`` (default: "chat" when the body
+    has ``messages``, else "completion"). Answers 202 ``{"id", "status": "pending"}``
+    once the request is journaled.
+``GET /v1/samples/{id}?wait=SECONDS``
+    Long-poll (default 30 s, at most 300): ``{"id", "status", "revision", "pool"}`` plus
+    ``"result"`` (done) or ``"error"`` (failed).
+``POST /v1/revisions`` ``{"revision", "path"}``
+    Publish weights; 201 when new, 200 when the same pair was published before.
+    ``GET /v1/revisions`` lists them.
+``GET /status`` (JSON), ``GET /metrics`` (Prometheus text).
+
+Errors are ``{"error": {"message", "type", "code"}}``, mapped from the dispatcher's
+error classes in one place (:data:`ERROR_MAP`): malformed JSON and invalid fields 400,
+an unknown revision 404 (like vLLM's unknown model), an unknown sample 404, a body over
+``MAX_BODY_BYTES`` 413, a missed deadline 504, a full disk 507, a store failure 503. A
+refused request is never journaled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio import serve as hypercorn_serve
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from dispatcher.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    DispatchError,
+    NotFound,
+    ReplicaError,
+    StoreError,
+    StoreFull,
+    UnknownRevision,
+)
+from dispatcher.store import Result
+from dispatcher.turns import TurnLoop
+
+__all__ = [
+    "ERROR_MAP",
+    "MAX_BODY_BYTES",
+    "build_app",
+    "error_response",
+    "render_metrics",
+    "serve_http",
+]
+
+MAX_BODY_BYTES = 64 << 20
+MAX_WAIT_S = 300.0
+DEFAULT_WAIT_S = 30.0
+SSE_KEEPALIVE_S = 15.0
+
+# Most specific first.
+ERROR_MAP: list[tuple[type[DispatchError], int, str]] = [
+    (UnknownRevision, 404, "NotFoundError"),
+    (NotFound, 404, "NotFoundError"),
+    (BadRequest, 400, "BadRequestError"),
+    (DeadlineExceeded, 504, "GatewayTimeoutError"),
+    (StoreFull, 507, "InsufficientStorageError"),
+    (StoreError, 503, "ServiceUnavailableError"),
+    (ReplicaError, 502, "BadGatewayError"),
+]
+
+
+class _TooLarge(BadRequest):
+    pass
+
+
+def _snake(name: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+def error_response(exc: DispatchError) -> JSONResponse:
+    """The JSON error body and status for ``exc``."""
+    status, typ = 500, "InternalServerError"
+    if isinstance(exc, _TooLarge):
+        status, typ = 413, "PayloadTooLargeError"
+    else:
+        for cls, http_status, name in ERROR_MAP:
+            if isinstance(exc, cls):
+                status, typ = http_status, name
+                break
+    code = "too_large" if status == 413 else _snake(type(exc).__name__)
+    return JSONResponse(
+        {"error": {"message": str(exc), "type": typ, "code": code}}, status_code=status
+    )
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise _TooLarge(f"request body is {len(raw)} bytes, more than {MAX_BODY_BYTES}")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _failure(result: Result) -> DispatchError:
+    text = result.error or "failed"
+    if text.startswith("deadline exceeded"):
+        return DeadlineExceeded(text)
+    return BadRequest(text)
+
+
+def _chunks(kind: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A whole result as stream chunks: one per choice, its whole text in it."""
+    base: dict[str, Any] = {k: body[k] for k in ("id", "created", "model") if k in body}
+    out: list[dict[str, Any]] = []
+    for choice in body.get("choices") or []:
+        c: dict[str, Any] = dict(choice)
+        if kind == "chat":
+            c["delta"] = c.pop("message", {})
+            out.append({**base, "object": "chat.completion.chunk", "choices": [c]})
+        else:
+            out.append({**base, "object": "text_completion", "choices": [c]})
+    return out
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+def build_app(loop: TurnLoop) -> Starlette:
+    """The ASGI app in front of ``loop``."""
+
+    async def wait_whole(id: str, deadline: float) -> Result:
+        result = await loop.wait_result(id, deadline - time.time() + 1.0)
+        if result.status == "pending":
+            raise DeadlineExceeded(f"sample {id} has no result by its deadline")
+        return result
+
+    async def generate(request: Request, kind: str) -> Response:
+        body = await _json_object(request)
+        stream = body.get("stream") is True
+        p = loop.accept(kind, body)
+        headers = {"x-sample-id": p.id}
+        if not stream:
+            result = await wait_whole(p.id, p.deadline)
+            if result.status == "failed":
+                raise _failure(result)
+            return JSONResponse(result.body, headers=headers)
+
+        async def events() -> AsyncIterator[bytes]:
+            while True:
+                result = await loop.wait_result(
+                    p.id, min(SSE_KEEPALIVE_S, p.deadline - time.time())
+                )
+                if result.status != "pending" or time.time() >= p.deadline + 1.0:
+                    break
+                yield b": waiting\n\n"
+            if result.status == "done" and result.body is not None:
+                for chunk in _chunks(kind, result.body):
+                    yield _sse(chunk)
+            else:
+                err = (
+                    _failure(result)
+                    if result.status == "failed"
+                    else DeadlineExceeded(f"sample {p.id} has no result by its deadline")
+                )
+                yield _sse(json.loads(bytes(error_response(err).body)))
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    async def chat(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    async def submit(request: Request) -> Response:
+        body = await _json_object(request)
+        kind = body.pop("kind", None)
+        if kind is None:
+            kind = "chat" if "messages" in body else "completion"
+        if not isinstance(kind, str):
+            raise BadRequest(f"kind must be 'completion' or 'chat', got {kind!r:.50}")
+        p = loop.accept(kind, body)
+        return JSONResponse(
+            {"id": p.id, "status": "pending", "revision": p.revision}, status_code=202
+        )
+
+    async def sample(request: Request) -> Response:
+        raw = request.query_params.get("wait", str(DEFAULT_WAIT_S))
+        try:
+            wait = float(raw)
+        except ValueError:
+            raise BadRequest(f"wait must be a number of seconds, got {raw!r:.50}") from None
+        if not math.isfinite(wait) or wait < 0:
+            raise BadRequest(f"wait must be a number of seconds >= 0, got {raw!r:.50}")
+        result = await loop.wait_result(request.path_params["id"], min(wait, MAX_WAIT_S))
+        out: dict[str, Any] = {
+            "id": result.id,
+            "status": result.status,
+            "revision": result.revision,
+            "pool": result.pool,
+        }
+        if result.status == "done":
+            out["result"] = result.body
+        elif result.status == "failed":
+            out["error"] = result.error
+        return JSONResponse(out)
+
+    async def publish(request: Request) -> Response:
+        body = await _json_object(request)
+        for key in ("revision", "path"):
+            if key not in body:
+                raise BadRequest(f"missing field {key!r}")
+        rev, created = loop.publish(body["revision"], body["path"])
+        return JSONResponse(
+            {"revision": rev.name, "path": rev.path, "published_at": rev.published_at},
+            status_code=201 if created else 200,
+        )
+
+    async def revisions(request: Request) -> Response:
+        revs = loop.store.revisions()
+        out = [{"revision": r.name, "path": r.path, "published_at": r.published_at} for r in revs]
+        return JSONResponse({"revisions": out})
+
+    async def status(request: Request) -> Response:
+        return JSONResponse(loop.status())
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(
+            render_metrics(loop), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    def guard(fn: Any) -> Any:
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await fn(request)  # type: ignore[no-any-return]
+            except DispatchError as e:
+                return error_response(e)
+
+        return wrapped
+
+    routes = [
+        Route("/v1/completions", guard(completions), methods=["POST"]),
+        Route("/v1/chat/completions", guard(chat), methods=["POST"]),
+        Route("/v1/samples", guard(submit), methods=["POST"]),
+        Route("/v1/samples/{id}", guard(sample), methods=["GET"]),
+        Route("/v1/revisions", guard(publish), methods=["POST"]),
+        Route("/v1/revisions", guard(revisions), methods=["GET"]),
+        Route("/status", guard(status), methods=["GET"]),
+        Route("/metrics", guard(metrics), methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+def render_metrics(loop: TurnLoop) -> str:
+    """Prometheus text exposition of the loop's figures."""
+    st = loop.status()
+    c = loop.counters
+    pool = st["pool"]
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP slicer_dispatch_{name} {help}")
+        lines.append(f"# TYPE slicer_dispatch_{name} {kind}")
+        for labels, value in samples:
+            extra = f",{labels}" if labels else ""
+            lines.append(f'slicer_dispatch_{name}{{pool="{pool}"{extra}}} {value}')
+
+    pending = [(f'revision="{r}"', float(n)) for r, n in st["pending"].items()]
+    metric("pending", "gauge", "Pending sampling requests.", pending or [("", 0.0)])
+    metric("in_flight", "gauge", "Requests sent and not answered.", [("", st["in_flight"])])
+    metric("done_total", "counter", "Requests with a result.", [("", st["counts"]["done"])])
+    metric("failed_total", "counter", "Requests failed.", [("", st["counts"]["failed"])])
+    metric("turns_total", "counter", "Turns granted.", [("", c.turns)])
+    metric("turn_errors_total", "counter", "Turns ended by an error.", [("", c.turn_errors)])
+    metric("loads_total", "counter", "Whole weight loads done.", [("", c.loads)])
+    metric("load_failures_total", "counter", "Weight loads that broke.", [("", c.load_failures)])
+    metric("sends_total", "counter", "Requests sent to the replica.", [("", c.sends)])
+    metric("commits_total", "counter", "Results committed.", [("", c.commits)])
+    metric("expired_total", "counter", "Requests failed by deadline.", [("", c.expired)])
+    rejects = [(f'reason="{r}"', float(n)) for r, n in sorted(c.rejects.items())]
+    metric("rejects_total", "counter", "Answers not committed, by reason.", rejects)
+    return "\n".join(lines) + "\n"
+
+
+async def serve_http(
+    app: Starlette,
+    bind: str,
+    shutdown: trio.Event,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on ``bind`` ("HOST:PORT" or "unix:PATH") until ``shutdown`` is set;
+    ``task_status.started`` gets the bound addresses."""
+    conf = HyperConfig()
+    conf.bind = [bind]
+    conf.accesslog = None
+    conf.graceful_timeout = 2.0
+    conf.loglevel = "WARNING"  # "Running on ..." is printed by main as "listening on ..."
+    asgi: Any = app  # hypercorn's ASGI types are narrower than starlette's
+    await hypercorn_serve(asgi, conf, shutdown_trigger=shutdown.wait, task_status=task_status)

@@ -1,0 +1,117 @@
+"""`slicer-dispatch`: the HTTP front and the turn loop of one vLLM replica.
+
+    slicer-dispatch --workload sampler --replica http://127.0.0.1:8000 \\
+        [--socket S] [--state-dir D] [--pool NAME] [--listen HOST:PORT | --listen-unix PATH]
+
+SIGTERM/SIGINT: stop accepting, end a held turn (sleep vLLM, RELEASE, both bounded),
+exit 0. Prints ``listening on ...`` to stderr once the front is bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import stat
+import sys
+from pathlib import Path
+
+import click
+import trio
+
+from dispatcher.errors import DispatchError
+from dispatcher.http import build_app, serve_http
+from dispatcher.store import Store
+from dispatcher.turns import TurnConfig, TurnLoop
+from dispatcher.vllm import Replica
+
+log = logging.getLogger("dispatcher")
+
+
+async def _run(store: Store, replica_url: str, cfg: TurnConfig, bind: str) -> None:
+    async with Replica(replica_url) as replica:
+        loop = TurnLoop(store, replica, cfg)
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(loop.run)
+            binds = await nursery.start(serve_http, build_app(loop), bind, stop)
+            print(f"listening on {' '.join(binds)}", file=sys.stderr, flush=True)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("%s: stopping", signal.Signals(signum).name)
+                    break
+            stop.set()  # the front stops accepting, then the loop ends its turn (shielded)
+            nursery.cancel_scope.cancel()
+
+
+def _bind(listen: str | None, listen_unix: str | None) -> str:
+    if listen and listen_unix:
+        raise click.UsageError("give --listen or --listen-unix, not both")
+    if listen_unix:
+        path = Path(listen_unix)
+        if path.exists() and stat.S_ISSOCK(path.stat().st_mode):
+            path.unlink()  # a stale socket of a previous run
+        return f"unix:{listen_unix}"
+    return listen or "127.0.0.1:8100"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--workload", required=True, help="the replica's workload name in slicerd")
+@click.option("--replica", "replica_url", required=True, help="vLLM base URL")
+@click.option("--socket", "socket_path", help="slicerd socket (default $SLICER_SOCKET)")
+@click.option("--state-dir", default="/var/lib/slicer-dispatch", show_default=True)
+@click.option("--pool", help="pool name (default: the workload name)")
+@click.option("--listen", help="HOST:PORT (default 127.0.0.1:8100)")
+@click.option("--listen-unix", help="serve HTTP on this Unix socket instead")
+@click.option("--model", help="served model name sent to vLLM (default: vLLM's own)")
+@click.option("--turn-seconds", type=float, default=30.0, show_default=True)
+@click.option("--turn-grace", type=float, default=10.0, show_default=True)
+@click.option("--sample-deadline", type=float, default=3600.0, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--log-level", default="info", show_default=True)
+def main(
+    workload: str,
+    replica_url: str,
+    socket_path: str | None,
+    state_dir: str,
+    pool: str | None,
+    listen: str | None,
+    listen_unix: str | None,
+    model: str | None,
+    turn_seconds: float,
+    turn_grace: float,
+    sample_deadline: float,
+    concurrency: int,
+    log_level: str,
+) -> None:
+    """Hold sampling requests durably and serve them in the replica's GPU turns."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=log_level.upper(),
+        format=f"%(asctime)s slicer-dispatch[{os.getpid()}] %(levelname)s %(message)s",
+    )
+    for name in ("httpx", "httpcore", "hypercorn"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    bind = _bind(listen, listen_unix)
+    cfg = TurnConfig(
+        workload=workload,
+        socket=socket_path,
+        model=model,
+        turn_seconds=turn_seconds,
+        turn_grace=turn_grace,
+        sample_deadline=sample_deadline,
+        concurrency=concurrency,
+    )
+    try:
+        store = Store(state_dir, pool or workload)
+    except DispatchError as e:
+        raise click.ClickException(str(e)) from e
+    try:
+        trio.run(_run, store, replica_url, cfg, bind)
+    finally:
+        store.close()
+    log.info("stopped")
+
+
+if __name__ == "__main__":
+    main()
