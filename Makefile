@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck unit bench clean
+.PHONY: test demo lint typecheck unit verify-units bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,torch]'
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -24,7 +24,12 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest -q
 
-test: lint typecheck unit
+# systemd-analyze verify on every unit (against the venv's console scripts), sysusers and
+# tmpfiles snippets applied to a scratch root: any output fails (systemd/verify.sh).
+verify-units: $(STAMP)
+	systemd/verify.sh $(BIN)
+
+test: verify-units lint typecheck unit
 
 demo: $(STAMP)
 	$(BIN)/python -m slicer.demo
