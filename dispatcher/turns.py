@@ -24,6 +24,9 @@ A turn, while anything is pending (each phase is logged with its duration)::
     sleep(level=1, mode=abort)                    <= sleep_timeout, shielded
     RELEASE                                       shielded, bounded
 
+The serving part of a turn (load, send, commit, grace) is :class:`~dispatcher.serve.Serving`,
+which :class:`TurnLoop` extends with the front door, the ticker and the turn's frame.
+
 The end of a turn (sleep, then RELEASE) runs shielded from cancellation, so SIGTERM
 during a turn still puts vLLM to sleep and hands the GPU back before the process exits.
 Any slicerd or replica failure ends the turn the same way; the requests stay pending and
@@ -34,89 +37,39 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 import proto
-from dispatcher.core import TurnPlan, next_revision, request_body, result_ok, weight_versions
-from dispatcher.errors import DispatchError, NotFound, ReplicaError, UnknownRevision
+from dispatcher.errors import DispatchError, ReplicaError, UnknownRevision
+from dispatcher.serve import Counters, Serving, TurnConfig, TurnState
 from dispatcher.store import Pending, Result, Revision, Store
 from dispatcher.vllm import Replica
-from slicer.client import AsyncSlicer, ClientError, Turn
+from slicer.client import AsyncSlicer, ClientError
 
 __all__ = ["Counters", "TurnConfig", "TurnLoop"]
 
 log = logging.getLogger("dispatcher.turns")
 
-RETRY_AFTER_S = 1.0  # a rejected or failed send is tried again after this
 RELEASE_TIMEOUT_S = 30.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 5.0
-_PERMANENT = (400, 422)  # vLLM refused the request itself: retrying cannot help
 
 
-@dataclass(frozen=True)
-class TurnConfig:
-    """What the loop was told (the ``slicer-dispatch`` options)."""
-
-    workload: str
-    socket: str | None = None
-    model: str | None = None  # served model name sent to vLLM; None: vLLM's default
-    turn_seconds: float = 30.0
-    turn_grace: float = 10.0
-    sample_deadline: float = 3600.0
-    concurrency: int = 64
-    acquire_wait: float = 60.0
-    wake_timeout: float = 300.0
-    load_timeout: float = 1800.0
-    sleep_timeout: float = 300.0
-
-
-@dataclass
-class Counters:
-    """Monotonic counters for /status and /metrics."""
-
-    turns: int = 0
-    turn_errors: int = 0
-    loads: int = 0
-    load_failures: int = 0
-    sends: int = 0
-    commits: int = 0
-    expired: int = 0
-    refused_by_replica: int = 0
-    rejects: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass
-class _TurnState:
-    turn: Turn
-    waiting_seen_at: float | None = None  # trio clock
-    serving_since: float | None = None  # trio clock
-    replica_failed: str | None = None
-
-
-def _reject_reason(body: dict[str, Any], p: Pending, epoch_at_send: int, epoch_now: int) -> str:
-    """Why :func:`core.result_ok` refused ``body`` (a metrics label)."""
-    choices = body.get("choices")
-    if not isinstance(choices, list) or len(choices) != (p.params.get("n") or 1):
-        return "choices"
-    if any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices):
-        return "aborted"
-    if epoch_at_send != epoch_now:
-        return "epoch"
-    if any(not spans for spans in weight_versions(body)):
-        return "no_weight_versions"
-    return "weight_version"
+def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:
+    """The exceptions in ``group`` and its nested groups, depth first."""
+    out: list[Exception] = []
+    for e in group.exceptions:
+        out += _leaves(e) if isinstance(e, BaseExceptionGroup) else [e]
+    return out
 
 
 async def _connect_default(path: str | None) -> AsyncSlicer:
     return await AsyncSlicer.connect(path)
 
 
-class TurnLoop:
+class TurnLoop(Serving):
     """The pending queue's front door and the turn loop of one replica.
 
     ``connect`` makes a new slicerd connection (injectable for tests); the loop keeps one
@@ -131,20 +84,10 @@ class TurnLoop:
         *,
         connect: Callable[[], Awaitable[AsyncSlicer]] | None = None,
     ) -> None:
-        self.store = store
-        self.replica = replica
-        self.cfg = cfg
-        self.counters = Counters()
-        self.state = "idle"
+        super().__init__(store, replica, cfg)
         self.turn: int | None = None
         self._connect = connect or (lambda: _connect_default(cfg.socket))
         self._slicer: AsyncSlicer | None = None
-        self._needs_recover = True  # first sight of the replica
-        self._changed = trio.Event()
-        self._finished: dict[str, trio.Event] = {}
-        self._in_flight: dict[str, trio.CancelScope] = {}
-        self._retry_at: dict[str, float] = {}
-        self._current: _TurnState | None = None
 
     # -- the front door (called by the HTTP front) -----------------------------------
 
@@ -179,6 +122,7 @@ class TurnLoop:
         """The loop's state for ``GET /status``."""
         cur = self._current
         newest = self.store.newest()
+        tokens, token_bytes = self.store.pending_token_bytes()
         return {
             "pool": self.store.pool,
             "workload": self.cfg.workload,
@@ -191,25 +135,12 @@ class TurnLoop:
             "in_flight": len(self._in_flight),
             "pending": {r: len(self.store.pending(r)) for r in self.store.pending_revisions()},
             "counts": self.store.counts(),
+            "pending_prompt_tokens": tokens,
+            "pending_prompt_bytes": token_bytes,
             "counters": {**vars(self.counters), "rejects": dict(self.counters.rejects)},
         }
 
     # -- plumbing --------------------------------------------------------------------
-
-    def _signal(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def _wait_change(self, timeout: float) -> None:
-        event = self._changed
-        with trio.move_on_after(max(0.0, timeout)):
-            await event.wait()
-
-    def _done(self, id: str) -> None:
-        self._retry_at.pop(id, None)
-        event = self._finished.pop(id, None)
-        if event is not None:
-            event.set()
 
     async def _drop_connection(self) -> None:
         if self._slicer is not None:
@@ -255,15 +186,23 @@ class TurnLoop:
                 self.state = "idle"
                 await self._wait_change(1.0)
                 continue
+            failed: list[Exception] = []
             try:
                 await self._one_turn()
+            except* (ClientError, DispatchError) as group:
+                # A failure inside the turn's nurseries (wake, load, a send) arrives
+                # wrapped in an ExceptionGroup; anything else (cancellation, a bug)
+                # propagates.
+                failed = _leaves(group)
+            if not failed:
                 backoff = BACKOFF_MIN_S
-            except (ClientError, DispatchError) as e:
-                self.counters.turn_errors += 1
-                self.state = "backoff"
-                log.error("turn failed (%s: %s); retrying in %.1f s", type(e).__name__, e, backoff)
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                continue
+            self.counters.turn_errors += 1
+            self.state = "backoff"
+            e = failed[0]
+            log.error("turn failed (%s: %s); retrying in %.1f s", type(e).__name__, e, backoff)
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _one_turn(self) -> None:
         if self._slicer is None:
@@ -284,7 +223,7 @@ class TurnLoop:
         except BaseException:
             await self._drop_connection()  # a cut-off request leaves the stream out of step
             raise
-        cur = _TurnState(turn)
+        cur = TurnState(turn)
         if any(isinstance(m, proto.Waiting) and m.turn == turn.turn for m in slicer.events):
             cur.waiting_seen_at = trio.current_time()
         slicer.events.clear()
@@ -303,7 +242,7 @@ class TurnLoop:
             with trio.CancelScope(shield=True):
                 await self._end_turn(slicer, cur, reason)
 
-    async def _read_events(self, slicer: AsyncSlicer, cur: _TurnState) -> None:
+    async def _read_events(self, slicer: AsyncSlicer, cur: TurnState) -> None:
         """Read slicerd's lines during the turn: WAITING marks the turn's end window."""
         while True:
             msg = await slicer.next_message()
@@ -315,7 +254,7 @@ class TurnLoop:
             elif isinstance(msg, proto.Fault):
                 log.warning("FAULT for %s (the registrant handles it)", msg.workload)
 
-    async def _prepare(self, cur: _TurnState) -> None:
+    async def _prepare(self, cur: TurnState) -> None:
         if self._needs_recover:
             self.state = "recovering"
             t0 = time.monotonic()
@@ -328,152 +267,9 @@ class TurnLoop:
         await self.replica.wake(self.cfg.wake_timeout)
         log.info("turn %d: woke in %.3f s", cur.turn.turn, time.monotonic() - t0)
 
-    # -- serving ---------------------------------------------------------------------
-
-    def _sendable(self, p: Pending, now: float) -> bool:
-        return p.id not in self._in_flight and self._retry_at.get(p.id, 0.0) <= now
-
-    def _choose(self, now: float) -> str | None:
-        """The revision to work on: core.next_revision, unless the loaded one has only
-        requests that wait for a retry while another revision has work."""
-        revs = self.store.pending_revisions()
-        loaded = self.replica.known_version
-        want = next_revision(revs, loaded)
-        stuck = want is not None and want == loaded and not self._in_flight
-        if stuck and not any(self._sendable(p, now) for p in self.store.pending(loaded)):
-            others = [r for r in revs if r != loaded]
-            return others[0] if others else want
-        return want
-
-    async def _serve(self, cur: _TurnState) -> str:
-        """Load and send until the turn should end; returns why it ended."""
-        n = cur.turn.turn
-        async with trio.open_nursery() as sends:
-            while True:
-                now = trio.current_time()
-                pending = self.store.counts()["pending"]
-                if cur.replica_failed:
-                    reason = "replica-error"
-                    break
-                if cur.serving_since is not None and TurnPlan.should_end(
-                    now, cur.serving_since, cur.waiting_seen_at, pending, self.cfg.turn_seconds
-                ):
-                    reason = "idle" if pending == 0 else "waiting"
-                    break
-                if pending == 0:
-                    reason = "idle"
-                    break
-                want = self._choose(now)
-                if want is not None and want != self.replica.known_version:
-                    if not self._in_flight:  # loads are whole, and never under a send
-                        await self._load(cur, want)
-                        continue
-                elif want is not None:
-                    if cur.serving_since is None:
-                        cur.serving_since = now
-                        self.state = "serving"
-                        log.info("turn %d: serving revision %s (%d pending)", n, want, pending)
-                    self._fill(sends, want, now)
-                ends = TurnPlan(self.cfg.turn_seconds).ends_at(
-                    cur.serving_since or now, cur.waiting_seen_at
-                )
-                timeout = RETRY_AFTER_S if ends is None else min(RETRY_AFTER_S, ends - now)
-                await self._wait_change(timeout)
-            if self._in_flight:
-                self.state = "grace"
-                log.info("turn %d: ending (%s); %d send(s) in flight get %g s", n, reason,
-                         len(self._in_flight), self.cfg.turn_grace)  # fmt: skip
-                with trio.move_on_after(self.cfg.turn_grace):
-                    while self._in_flight:
-                        await self._wait_change(RETRY_AFTER_S)
-                if self._in_flight:
-                    log.info("turn %d: cancelling %d send(s); they stay pending", n,
-                             len(self._in_flight))  # fmt: skip
-                sends.cancel_scope.cancel()
-        return reason
-
-    async def _load(self, cur: _TurnState, revision: str) -> None:
-        self.state = "loading"
-        rev = self.store.revision(revision)
-        t0 = time.monotonic()
-        log.info("turn %d: loading revision %s from %s", cur.turn.turn, revision, rev.path)
-        try:
-            await self.replica.load(revision, rev.path, self.cfg.load_timeout)
-        except ReplicaError:
-            self.counters.load_failures += 1
-            self._needs_recover = True
-            raise
-        self.counters.loads += 1
-        log.info("turn %d: loaded revision %s in %.3f s", cur.turn.turn, revision,
-                 time.monotonic() - t0)  # fmt: skip
-
-    def _fill(self, sends: trio.Nursery, revision: str, now: float) -> None:
-        free = self.cfg.concurrency - len(self._in_flight)
-        if free <= 0:
-            return
-        for p in self.store.pending(revision):
-            if free <= 0:
-                break
-            if self._sendable(p, now):
-                scope = trio.CancelScope()
-                self._in_flight[p.id] = scope
-                sends.start_soon(self._send, p, scope, self.replica.epoch)
-                free -= 1
-
-    async def _send(self, p: Pending, scope: trio.CancelScope, epoch: int) -> None:
-        """Send ``p`` once; commit the answer only if core.result_ok says so."""
-        try:
-            with scope:
-                try:
-                    self.store.attempt(p.id)
-                except NotFound:
-                    return  # finished (expired) meanwhile
-                self.counters.sends += 1
-                body = request_body(p, self.cfg.model or "")
-                if not self.cfg.model:
-                    del body["model"]  # vLLM serves its only model
-                timeout = max(1.0, p.deadline - time.time())
-                try:
-                    answer = await self.replica.complete(p.kind, body, timeout)
-                except ReplicaError as e:
-                    self._send_failed(p, e)
-                    return
-                self._judge(p, answer, epoch)
-        finally:
-            self._in_flight.pop(p.id, None)
-            self._signal()
-
-    def _judge(self, p: Pending, answer: dict[str, Any], epoch: int) -> None:
-        if not self.store.is_pending(p.id):
-            return
-        loaded = self.replica.known_version or ""
-        if result_ok(p, answer, loaded, epoch, self.replica.epoch):
-            self.store.complete(p.id, answer)
-            self.counters.commits += 1
-            self._done(p.id)
-            return
-        reason = _reject_reason(answer, p, epoch, self.replica.epoch)
-        self.counters.rejects[reason] += 1
-        self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
-        log.warning("%s (revision %s): result not committed (%s); stays pending", p.id,
-                    p.revision, reason)  # fmt: skip
-
-    def _send_failed(self, p: Pending, e: ReplicaError) -> None:
-        if e.status in _PERMANENT and self.store.is_pending(p.id):
-            self.counters.refused_by_replica += 1
-            self.store.fail(p.id, f"refused by the replica (HTTP {e.status}): {e}")
-            self._done(p.id)
-            return
-        self.counters.rejects["error"] += 1
-        self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
-        log.warning("%s: send failed (%s); stays pending", p.id, e)
-        if (e.status is None or e.status >= 500) and self._current is not None:
-            self._current.replica_failed = str(e)
-            self._signal()
-
     # -- ending a turn ---------------------------------------------------------------
 
-    async def _end_turn(self, slicer: AsyncSlicer, cur: _TurnState, reason: str) -> None:
+    async def _end_turn(self, slicer: AsyncSlicer, cur: TurnState, reason: str) -> None:
         """Sleep the replica, then RELEASE (runs shielded; every step bounded)."""
         n = cur.turn.turn
         if reason == "replica-error":

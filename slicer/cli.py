@@ -1,8 +1,14 @@
-"""`slicerctl`: look at a running slicerd from a shell (PING, STATUS, WATCH).
+"""`slicerctl`: look at and use a running slicerd from a shell.
 
-Every command takes `--json` for scripts. Exit codes: 0 success, 1 the daemon answered
-ERR (or sent a line we could not parse), 2 usage error, 69 (EX_UNAVAILABLE) the daemon
-cannot be reached or stopped answering.
+`ping`, `status`, `workloads` and `watch` talk to the daemon (PING, STATUS, WATCH); `run`
+is `slicer-launch run` (the launcher's own code) with the group's `--socket`; `demo` is
+`make demo`; `completion bash|zsh` prints the shell completion script.
+
+Every command that prints data takes `--json` for scripts (`demo` passes it to the demo).
+Times are shown in local time. Exit codes: 0 success, 1 the daemon answered ERR (or sent a
+line we could not parse), 2 usage error, 69 (EX_UNAVAILABLE) the daemon cannot be reached
+or stopped answering; `run` exits with the launcher's codes (the child's own, 69, 70, 78,
+...), `demo` with the demo's.
 """
 
 from __future__ import annotations
@@ -17,12 +23,17 @@ from datetime import datetime
 from typing import Any, NoReturn, TypeVar
 
 import click
+from click.shell_completion import BashComplete, ShellComplete, ZshComplete
 
 import proto
+from launcher import main as launch
 from slicer.client import ClientError, Slicer, Unreachable, socket_path
 
 EX_UNAVAILABLE = 69
 REPLY_TIMEOUT = 30.0  # seconds to wait for a reply to PING/STATUS/WATCH
+PROG = "slicerctl"
+COMPLETE_VAR = "_SLICERCTL_COMPLETE"  # what click derives from PROG; the scripts set it
+SHELLS: dict[str, type[ShellComplete]] = {"bash": BashComplete, "zsh": ZshComplete}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -144,10 +155,36 @@ def workload_table(workloads: list[dict[str, Any]]) -> str:
     return render_table([*headers, "PARK_MS", "RESTORE_MS", "FAULTS"], rows)
 
 
-def status_text(st: dict[str, Any]) -> str:
+def duration(seconds: float) -> str:
+    """A span for people: "42.5s", "5m 03s", "2h 05m", "3d 04h"."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    d, h = divmod(h, 24)
+    if d:
+        return f"{d}d {h:02d}h"
+    return f"{h}h {m:02d}m" if h else f"{m}m {s:02d}s"
+
+
+def local_time(wall: float) -> str:
+    """A wall-clock time (epoch seconds) in local time, with the zone's name."""
+    return datetime.fromtimestamp(wall).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def uptime_text(uptime_s: object, now: float | None = None) -> str:
+    """The daemon's uptime and start in local time: `up 5m 03s (since 2024-01-02 03:04:05
+    CET)`; `now` is the wall clock (epoch seconds), default the current time."""
+    if not isinstance(uptime_s, int | float) or isinstance(uptime_s, bool):
+        return "up ?"
+    since = (time.time() if now is None else now) - uptime_s
+    return f"up {duration(uptime_s)} (since {local_time(since)})"
+
+
+def status_text(st: dict[str, Any], now: float | None = None) -> str:
     """A STATUS body as text: a summary line, the GPU table, the workload table."""
     totals = st.get("totals") or {}
-    summary = [f"slicerd {st.get('version', '?')}", f"up {cell(st.get('uptime_s'))} s"]
+    summary = [f"slicerd {st.get('version', '?')}", uptime_text(st.get("uptime_s"), now)]
     if "connections" in st:
         summary.append(f"{st['connections']} connections")
     summary += [f"{k} {v}" for k, v in totals.items()]
@@ -165,7 +202,7 @@ def format_event(body: dict[str, Any], at: datetime) -> str:
     return f"{head}  turn={cell(body.get('turn'))}  {extra}".rstrip()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(name=PROG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--socket",
     "sock",
@@ -175,7 +212,7 @@ def format_event(body: dict[str, Any], at: datetime) -> str:
 )
 @click.pass_context
 def main(ctx: click.Context, sock: str | None) -> None:
-    """Inspect a running slicerd: its GPUs, workloads, turns and events."""
+    """Inspect and use a running slicerd: its GPUs, workloads, turns and events."""
     ctx.obj = socket_path(sock)
 
 
@@ -235,5 +272,53 @@ def watch(path: str, as_json: bool, count: int | None) -> None:
         os.close(devnull)
 
 
+def _launcher_run() -> click.Command:
+    """`slicer-launch run` as a slicerctl command: the launcher's options, help and code;
+    only `--socket` is left out, the group's is passed instead."""
+    base = launch.run
+
+    @click.pass_context
+    def callback(ctx: click.Context, /, **kw: Any) -> None:
+        ctx.invoke(base, socket=ctx.obj, **kw)  # exits with the launcher's code
+
+    return click.Command(
+        "run",
+        callback=callback,
+        params=[p for p in base.params if p.name != "socket"],
+        help=base.help,
+        short_help="Run COMMAND as a registered workload (slicer-launch run).",
+        context_settings=base.context_settings,
+    )
+
+
+main.add_command(_launcher_run())
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def demo(args: tuple[str, ...]) -> None:
+    """Run the demo (`make demo`): its own slicerd on a fake GPU, a vLLM stub under the
+    launcher, the dispatcher and a trainer stub publishing revisions (`--mode trainers`:
+    two trainer stubs only). ARGS go to the demo: `slicerctl demo -- --revisions 2`; its
+    options: `slicerctl demo -- --help`."""
+    from slicer import demo as demo_module  # only this command needs it and its imports
+
+    sys.exit(demo_module.main(list(args)))
+
+
+@main.command()
+@click.argument("shell", type=click.Choice(sorted(SHELLS)))
+@click.pass_context
+def completion(ctx: click.Context, shell: str) -> None:
+    """Print the SHELL completion script.
+
+    \b
+    bash: eval "$(slicerctl completion bash)"   (e.g. in ~/.bashrc)
+    zsh:  eval "$(slicerctl completion zsh)"    (e.g. in ~/.zshrc, after compinit)
+    """
+    root = ctx.find_root().command
+    click.echo(SHELLS[shell](root, {}, PROG, COMPLETE_VAR).source())
+
+
 if __name__ == "__main__":
-    main(prog_name="slicerctl")
+    main(prog_name=PROG)

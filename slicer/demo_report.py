@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from stubs.fakegpu import Ledger, format_size
 
 if TYPE_CHECKING:
-    from slicer.demo import Recording
+    from slicer.demo_proc import Recording
 
 COLUMNS = 80
 
@@ -94,12 +94,16 @@ def _chart(
     return rows
 
 
-def build_report(
-    opts: argparse.Namespace, rec: Recording, ledger: Ledger, base: Path
+def analyze(
+    rec: Recording,
+    names: list[str] | None = None,
+    overlay: list[tuple[str, list[dict[str, Any]]]] | None = None,
 ) -> dict[str, Any]:
-    """Everything the demo shows, as one JSON-able dict; `ok` and `problems` decide."""
+    """The run as seen through slicerd's events, on the daemon's clock (absolute): the
+    window [t0, t1] from the first grant to the stop, turns, parks, restores, per-workload
+    park/restore statistics, handoffs, busy fraction and the chart rows. `overlay` spans
+    (mark, spans) are drawn over a row's own marks (the sampler's vLLM wake and sleep)."""
     events = sorted(rec.events, key=lambda e: float(e["t"]))
-    problems: list[str] = []
     # Daemon clock -> local clock: the smallest (arrival - t) is the best offset estimate.
     offset = min((e["_recv"] - float(e["t"]) for e in events), default=0.0)
     grants = [e for e in events if e["event"] == "granted"]
@@ -110,63 +114,111 @@ def build_report(
     turns = [t for t in _turns(events) if t["start"] <= t1]
     parks = [s for s in _spans(events, "parking", ("parked", "fault")) if s["start"] <= t1]
     restores = [s for s in _spans(events, "restoring", ("restored", "fault")) if s["start"] <= t1]
-    names = sorted({str(e["workload"]) for e in events if e["event"] == "registered"})
-
+    if names is None:
+        names = sorted({str(e["workload"]) for e in events if e["event"] == "registered"})
     held = 0.0
     for t in turns:
         end = min(t1, t["end"]) if t["end"] is not None else t1
         held += max(0.0, end - max(t0, t["start"]))
-    handoffs = sum(1 for a, b in itertools.pairwise(turns) if a["workload"] != b["workload"])
-    concurrent = [
-        (a["turn"], b["turn"])
-        for a, b in itertools.pairwise(turns)
-        if a["end"] is None or b["start"] < a["end"]
-    ]
-    negative = [
-        e
-        for e in events
-        if e["event"] in ("parked", "restored")
-        and int(e.get("park_ms", e.get("restore_ms", -1))) < 0
-    ]
-    faults = [e for e in in_run if e["event"] == "fault"]
-    stats = {
-        name: {
-            "park": _ms_stats(
-                [
-                    int(e["park_ms"])
-                    for e in in_run
-                    if e["event"] == "parked" and e["workload"] == name
-                ]
-            ),
-            "restore": _ms_stats(
-                [
-                    int(e["restore_ms"])
-                    for e in in_run
-                    if e["event"] == "restored" and e["workload"] == name
-                ]
-            ),
-        }
-        for name in names
+
+    def ms(kind: str, key: str, name: str) -> dict[str, Any]:
+        return _ms_stats(
+            [int(e[key]) for e in in_run if e["event"] == kind and e["workload"] == name]
+        )
+
+    layers = [*(overlay or []), ("#", turns), ("r", restores), ("p", parks)]
+    return {
+        "events": events,
+        "t0": t0,
+        "t1": t1,
+        "turns": turns,
+        "parks": parks,
+        "restores": restores,
+        "names": names,
+        "handoffs": sum(1 for a, b in itertools.pairwise(turns) if a["workload"] != b["workload"]),
+        "concurrent": [
+            (a["turn"], b["turn"])
+            for a, b in itertools.pairwise(turns)
+            if a["end"] is None or b["start"] < a["end"]
+        ],
+        "negative": [
+            e
+            for e in events
+            if e["event"] in ("parked", "restored")
+            and int(e.get("park_ms", e.get("restore_ms", -1))) < 0
+        ],
+        "faults": [e for e in in_run if e["event"] == "fault"],
+        "stats": {
+            n: {"park": ms("parked", "park_ms", n), "restore": ms("restored", "restore_ms", n)}
+            for n in names
+        },
+        "busy_fraction": round(held / (t1 - t0), 4),
+        "rows": _chart(names, layers, t0, t1),
     }
-    overlaps = ledger.overlaps()
+
+
+def common_problems(a: dict[str, Any], overlaps: int) -> list[str]:
+    """What makes any demo run fail: overlaps, two turns at once, faults, bad figures."""
+    problems: list[str] = []
     if overlaps:
         problems.append(f"{overlaps} overlaps on the fake GPU: two workloads were resident at once")
-    if concurrent:
-        problems.append(f"turns granted while another was held: {concurrent}")
-    if handoffs < max(2, opts.min_handoffs):
-        problems.append(f"only {handoffs} handoffs in {t1 - t0:.1f} s: nothing was demonstrated")
-    if faults:
-        problems.append(f"{len(faults)} faults during the run: {[e.get('reason') for e in faults]}")
-    if negative:
-        problems.append(f"negative park/restore ms: {negative}")
-    rows = _chart(names, [("#", turns), ("r", restores), ("p", parks)], t0, t1)
+    if a["concurrent"]:
+        problems.append(f"turns granted while another was held: {a['concurrent']}")
+    if a["faults"]:
+        reasons = [e.get("reason") for e in a["faults"]]
+        problems.append(f"{len(a['faults'])} faults during the run: {reasons}")
+    if a["negative"]:
+        problems.append(f"negative park/restore ms: {a['negative']}")
+    return problems
+
+
+def relative(a: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-able part of `analyze`'s result, times relative to the first grant."""
+    t0 = a["t0"]
 
     def rel(x: float | None) -> float | None:
         return None if x is None else round(x - t0, 3)
 
+    def spans(xs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**s, "start": rel(s["start"]), "end": rel(s["end"])} for s in xs]
+
+    return {
+        "window_s": round(a["t1"] - t0, 3),
+        "timeline": {
+            "columns": COLUMNS,
+            "seconds_per_column": round((a["t1"] - t0) / COLUMNS, 4),
+            "rows": a["rows"],
+        },
+        "turns": spans(a["turns"]),
+        "parks": spans(a["parks"]),
+        "restores": spans(a["restores"]),
+        "stats": a["stats"],
+        "handoffs": a["handoffs"],
+        "busy_fraction": a["busy_fraction"],
+        "faults": a["faults"],
+        "events": [
+            {k: v for k, v in e.items() if k != "_recv"} | {"rel_t": rel(float(e["t"]))}
+            for e in a["events"]
+        ],
+    }
+
+
+def build_report(
+    opts: argparse.Namespace, rec: Recording, ledger: Ledger, base: Path
+) -> dict[str, Any]:
+    """Everything the trainers demo shows, as one JSON-able dict; `ok` and `problems`
+    decide."""
+    a = analyze(rec)
+    overlaps = ledger.overlaps()
+    problems = common_problems(a, overlaps)
+    if a["handoffs"] < max(2, opts.min_handoffs):
+        problems.append(
+            f"only {a['handoffs']} handoffs in {a['t1'] - a['t0']:.1f} s: nothing was demonstrated"
+        )
     return {
         "ok": not problems,
         "problems": problems,
+        "mode": "trainers",
         "config": {
             "seconds": opts.seconds,
             "trainers": opts.trainers,
@@ -176,26 +228,10 @@ def build_report(
             "work": opts.work,
             "min_handoffs": opts.min_handoffs,
         },
-        "window_s": round(t1 - t0, 3),
         "extended_s": round(rec.extended_s, 3),
-        "timeline": {
-            "columns": COLUMNS,
-            "seconds_per_column": round((t1 - t0) / COLUMNS, 4),
-            "rows": rows,
-        },
-        "turns": [{**t, "start": rel(t["start"]), "end": rel(t["end"])} for t in turns],
-        "parks": [{**s, "start": rel(s["start"]), "end": rel(s["end"])} for s in parks],
-        "restores": [{**s, "start": rel(s["start"]), "end": rel(s["end"])} for s in restores],
-        "stats": stats,
-        "handoffs": handoffs,
-        "busy_fraction": round(held / (t1 - t0), 4),
+        **relative(a),
         "overlaps": overlaps,
         "overlap_log": ledger.overlap_log(),
-        "faults": faults,
-        "events": [
-            {k: v for k, v in e.items() if k != "_recv"} | {"rel_t": rel(float(e["t"]))}
-            for e in events
-        ],
         "trainer_exit_codes": rec.exit_codes,
         "daemon_exit_code": rec.daemon_rc,
         "dir": str(base),
@@ -206,8 +242,66 @@ def _fmt_ms(v: Any) -> str:
     return "-" if v is None else f"{v:g}"
 
 
+def render_timeline(r: dict[str, Any], legend: str) -> list[str]:
+    """The chart: one row per workload, a seconds axis under it."""
+    out = [
+        f"timeline ({legend}; {r['timeline']['seconds_per_column'] * 1000:.0f} ms a column)",
+    ]
+    width = max(len(n) for n in r["timeline"]["rows"]) if r["timeline"]["rows"] else 8
+    for name, row in r["timeline"]["rows"].items():
+        out.append(f"  {name:<{width}} |{row}|")
+    axis = [" "] * (COLUMNS + 8)
+    for c in range(0, COLUMNS + 1, 20):
+        label = f"{c / COLUMNS * r['window_s']:.1f}s"
+        axis[c : c + len(label)] = label
+    out.append(f"  {'':<{width}}  {''.join(axis).rstrip()}")
+    return out
+
+
+def render_stats(r: dict[str, Any], extra: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """The park / restore table (slicerd's figures per workload, then `extra` rows)."""
+    rows = [(n, op, s) for n, ops in r["stats"].items() for op, s in ops.items()] + extra
+    width = max([8, *(len(n) for n, _, _ in rows)])
+    opw = max([7, *(len(op) for _, op, _ in rows)])
+    out = [
+        "park / restore ms",
+        f"  {'workload':<{width}}  {'op':<{opw}}  {'count':>5}  {'median':>7}  {'p99':>6}  "
+        f"{'max':>6}",
+    ]
+    for name, op, s in rows:
+        out.append(
+            f"  {name:<{width}}  {op:<{opw}}  {s['count']:>5}  {_fmt_ms(s['median_ms']):>7}  "
+            f"{_fmt_ms(s['p99_ms']):>6}  {_fmt_ms(s['max_ms']):>6}"
+        )
+    return out
+
+
+def render_turns(r: dict[str, Any]) -> list[str]:
+    """One line per turn."""
+    width = max([8, *(len(n) for n in r["timeline"]["rows"])])
+    out = [
+        "turns",
+        f"  {'turn':>4}  {'workload':<{width}}  {'start s':>7}  {'held s':>7}  restored  waited ms",
+    ]
+    for t in r["turns"]:
+        held = "open" if t["end"] is None else f"{t['end'] - t['start']:.3f}"
+        out.append(
+            f"  {t['turn']:>4}  {t['workload']:<{width}}  {t['start']:>7.3f}  {held:>7}  "
+            f"{'yes' if t['restored'] else 'no':<8}  {t['waited_ms']:>9}"
+        )
+    return out
+
+
+def render_failure(r: dict[str, Any]) -> list[str]:
+    """The problems, framed, with the overlap log."""
+    out = ["", "!" * 72, *(f"FAILED: {p}" for p in r["problems"])]
+    for o in r.get("overlap_log", []):
+        out.append(f"  overlap on gpu {o['gpu']} at {o['time']:.3f}: {', '.join(o['workloads'])}")
+    return [*out, "!" * 72]
+
+
 def render(r: dict[str, Any]) -> str:
-    """The human report."""
+    """The human report of the trainers demo."""
     cfg = r["config"]
     out = [
         f"gpu-slicer demo: {cfg['trainers']} trainers x {format_size(cfg['bytes'])} on one "
@@ -219,55 +313,16 @@ def render(r: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "timeline ('#' holds the GPU, 'p' parking, 'r' restoring; "
-        f"{r['timeline']['seconds_per_column'] * 1000:.0f} ms a column)",
-    ]
-    width = max(len(n) for n in r["timeline"]["rows"]) if r["timeline"]["rows"] else 8
-    for name, row in r["timeline"]["rows"].items():
-        out.append(f"  {name:<{width}} |{row}|")
-    axis = [" "] * (COLUMNS + 8)
-    for c in range(0, COLUMNS + 1, 20):
-        label = f"{c / COLUMNS * r['window_s']:.1f}s"
-        axis[c : c + len(label)] = label
-    out.append(f"  {'':<{width}}  {''.join(axis).rstrip()}")
-    out += [
+        *render_timeline(r, "'#' holds the GPU, 'p' parking, 'r' restoring"),
         "",
-        "turns",
-        f"  {'turn':>4}  {'workload':<{width}}  {'start s':>7}  {'held s':>7}  restored  waited ms",
-    ]
-    for t in r["turns"]:
-        held = "open" if t["end"] is None else f"{t['end'] - t['start']:.3f}"
-        out.append(
-            f"  {t['turn']:>4}  {t['workload']:<{width}}  {t['start']:>7.3f}  {held:>7}  "
-            f"{'yes' if t['restored'] else 'no':<8}  {t['waited_ms']:>9}"
-        )
-    out += [
+        *render_turns(r),
         "",
-        "park / restore ms",
-        f"  {'workload':<{width}}  {'op':<7}  {'count':>5}  {'median':>7}  {'p99':>6}  {'max':>6}",
-    ]
-    for name, ops in r["stats"].items():
-        for op, s in ops.items():
-            out.append(
-                f"  {name:<{width}}  {op:<7}  {s['count']:>5}  {_fmt_ms(s['median_ms']):>7}  "
-                f"{_fmt_ms(s['p99_ms']):>6}  {_fmt_ms(s['max_ms']):>6}"
-            )
-    out += [
+        *render_stats(r, []),
         "",
         f"handoffs: {r['handoffs']}",
         f"GPU busy: {r['busy_fraction'] * 100:.1f}% of the run held by a trainer "
         "(the rest: parking, restoring, granting)",
         f"overlaps: {r['overlaps']}",
     ]
-    if r["ok"]:
-        out.append("OK: 0 overlaps")
-    else:
-        out.append("")
-        out.append("!" * 72)
-        out += [f"FAILED: {p}" for p in r["problems"]]
-        for o in r["overlap_log"]:
-            out.append(
-                f"  overlap on gpu {o['gpu']} at {o['time']:.3f}: {', '.join(o['workloads'])}"
-            )
-        out.append("!" * 72)
+    out += ["OK: 0 overlaps"] if r["ok"] else render_failure(r)
     return "\n".join(out)

@@ -8,6 +8,10 @@ With `--park checkpoint` (default) the daemon moves its memory with cuda-checkpo
 `--park cooperative` it frees its memory itself before each RELEASE (an offload) and
 allocates it again after each grant. A FAULT makes it exit 3, as a real trainer must.
 When run under `slicer-launch` it is not the registrant and only takes turns.
+
+With `--revisions-dir DIR` each step, once its turn is released, saves its "weights" as
+DIR/rev-K/revision.txt (K = 1, 2, ...); with `--publish-url URL` too, it publishes them to
+a dispatcher (POST URL/v1/revisions) and exits 1 when that fails.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
+
+import httpx
 
 from slicer.client import ClientError, Faulted, Slicer
 from stubs.fakegpu import Ledger, parse_size
@@ -32,8 +39,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--park", choices=["checkpoint", "cooperative"], default="checkpoint")
     p.add_argument("--no-register", action="store_true", help="someone else registered us")
+    p.add_argument("--revisions-dir", type=Path, help="save DIR/rev-K/revision.txt each step")
+    p.add_argument("--publish-url", help="dispatcher base URL: POST /v1/revisions each step")
+    p.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        help="seconds off the GPU after each step (preparing the next batch, awaiting samples)",
+    )
+    p.add_argument(
+        "--last-park",
+        choices=["lazy", "now"],
+        default="lazy",
+        help="how the last step releases: `now` waits until slicerd has parked us, so that "
+        "exiting right after cannot race a park of our dying process",
+    )
+    p.add_argument(
+        "--device",
+        choices=["fake", "cuda"],
+        default="fake",
+        help="where the working set lives: the fake GPU ledger, or a real CUDA tensor (torch)",
+    )
     args = p.parse_args(argv)
+    if args.publish_url and not args.revisions_dir:
+        p.error("--publish-url needs --revisions-dir")
     nbytes = parse_size(args.bytes)
+    if args.device == "cuda":
+        return _cuda_main(args, nbytes)
     ledger = Ledger()
     pid = os.getpid()
     try:
@@ -41,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_register:
                 s.register(args.workload, gpu=args.gpu, park=args.park)
             for step in range(args.steps):
-                with s.turn(park="lazy") as t:
+                with s.turn(park=_release_mode(args, step)) as t:
                     have = sum(m.on_device for m in ledger.processes(args.gpu) if m.pid == pid)
                     if have < nbytes:
                         ledger.alloc(
@@ -51,13 +83,77 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(args.work)  # the "training step"
                     if args.park == "cooperative":
                         ledger.free(pid)
+                if args.revisions_dir is not None:
+                    _publish(args.revisions_dir, f"rev-{step + 1}", args.publish_url)
+                if args.pause > 0 and step + 1 < args.steps:
+                    time.sleep(args.pause)
     except Faulted as e:
         print(f"trainer_stub: FAULT: {e}", file=sys.stderr)
         return 3
-    except ClientError as e:
+    except (ClientError, PublishError) as e:
         print(f"trainer_stub: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cuda_main(args: argparse.Namespace, nbytes: int) -> int:
+    """The same loop with the working set as a real CUDA tensor (`--device cuda`)."""
+    import torch  # only this mode needs it
+
+    held: list[object] = []
+    try:
+        with Slicer(args.socket, args.workload) as s:
+            if not args.no_register:
+                s.register(args.workload, gpu=args.gpu, park=args.park)
+            for step in range(args.steps):
+                with s.turn(park=_release_mode(args, step)) as t:
+                    if not held:
+                        held.append(torch.ones(nbytes, dtype=torch.uint8, device="cuda"))
+                    print(f"step {step} turn {t.turn} restored={int(t.restored)}", flush=True)
+                    time.sleep(args.work)
+                    torch.cuda.synchronize()
+                    if args.park == "cooperative":
+                        held.clear()
+                        torch.cuda.empty_cache()
+                if args.revisions_dir is not None:
+                    _publish(args.revisions_dir, f"rev-{step + 1}", args.publish_url)
+                if args.pause > 0 and step + 1 < args.steps:
+                    time.sleep(args.pause)
+    except Faulted as e:
+        print(f"trainer_stub: FAULT: {e}", file=sys.stderr)
+        return 3
+    except (ClientError, PublishError) as e:
+        print(f"trainer_stub: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _release_mode(args: argparse.Namespace, step: int) -> str:
+    return str(args.last_park) if step + 1 == args.steps else "lazy"
+
+
+class PublishError(Exception):
+    """Saving or publishing a revision failed."""
+
+
+def _publish(root: Path, revision: str, url: str | None) -> None:
+    """Save `revision` (DIR/revision.txt, written atomically) and POST it to `url`."""
+    path = root / revision
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "revision.txt.tmp"
+    tmp.write_text(revision)
+    tmp.replace(path / "revision.txt")
+    if url is None:
+        print(f"saved {revision} in {path}", flush=True)
+        return
+    body = {"revision": revision, "path": str(path)}
+    try:
+        r = httpx.post(url.rstrip("/") + "/v1/revisions", json=body, timeout=10)
+    except httpx.HTTPError as e:
+        raise PublishError(f"publishing {revision} to {url}: {e}") from e
+    if r.status_code not in (200, 201):
+        raise PublishError(f"publishing {revision} to {url}: HTTP {r.status_code} {r.text}")
+    print(f"published {revision} ({path})", flush=True)
 
 
 if __name__ == "__main__":

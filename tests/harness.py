@@ -63,12 +63,18 @@ class Stack:
                     stdout=logf,
                     stderr=logf,
                 )
-            with trio.fail_after(20):
-                while True:
-                    msg = await notify.recv(4096)
-                    if b"READY=1" in msg:
-                        break
-        os.unlink(notify_path)
+            try:
+                # Generous: a loaded 2-core CI machine can take many seconds to start Python.
+                with trio.fail_after(60):
+                    while True:
+                        msg = await notify.recv(4096)
+                        if b"READY=1" in msg:
+                            break
+            except BaseException:
+                self.proc.kill()  # never leave a daemon behind a failed start
+                raise
+            finally:
+                os.unlink(notify_path)
 
     async def stop(self, sig: int = signal.SIGTERM) -> int:
         """Stop slicerd with `sig`, wait for it (bounded), return its exit code."""
@@ -166,8 +172,8 @@ async def running_stack(
         *flags,
     ]
     stack = Stack(base=base, socket=sock, env=full_env, ledger=Ledger(fakegpu), args=args)
-    await stack.start()
     try:
+        await stack.start()
         yield stack
         assert stack.overlaps() == 0, stack.ledger.overlap_log()
     except BaseException:

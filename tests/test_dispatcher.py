@@ -110,15 +110,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@asynccontextmanager
-async def replica(stack: Stack, park: str = "cooperative") -> AsyncIterator[tuple[Proc, str]]:
-    """The vLLM stub as workload "v" under the launcher, ready (booted, slept, released)."""
-    port = free_port()
+def replica_argv(stack: Stack, port: int, park: str, *stub: str) -> list[str]:
+    """The launcher running the vLLM stub as workload "v" on `port` (`stub`: its flags)."""
     argv = [sys.executable, "-m", "launcher.main", "vllm", "--workload", "v"]
     argv += ["--socket", stack.socket, "--park", park, "--ready-file", str(stack.base / "ready")]
     argv += ["--", sys.executable, "-m", "stubs.vllm_stub", "serve", "m", "--port", str(port)]
-    argv += ["--fake-workload", "v", "--tokens-per-s", "20000"]
-    async with spawn(stack, "launcher", argv) as lw:
+    return [*argv, "--fake-workload", "v", "--tokens-per-s", "20000", *stub]
+
+
+@asynccontextmanager
+async def replica(
+    stack: Stack, park: str = "cooperative", *stub: str, port: int | None = None
+) -> AsyncIterator[tuple[Proc, str]]:
+    """The vLLM stub as workload "v" under the launcher, ready (booted, slept, released)."""
+    port = port or free_port()
+    async with spawn(stack, "launcher", replica_argv(stack, port, park, *stub)) as lw:
         await lw.line(lambda s: "]: ready" in s)
         yield lw, f"http://127.0.0.1:{port}"
         lw.proc.send_signal(signal.SIGTERM)  # the launcher stops the replica cleanly
@@ -387,4 +393,98 @@ async def test_bad_input_is_refused_with_a_clear_message_and_never_journaled() -
                 assert r.status_code == 400
                 assert (await status(http))["counts"] == before
                 await stop(d)
+            assert stack.overlaps() == 0
+
+
+def stub_reloads(lw: Proc, rev: str) -> int:
+    """How many times the stub under launcher `lw` finished reloading checkpoint `rev`."""
+    return sum(f"/ckpt/{rev} (identity={rev})" in s for s in lw.lines)
+
+
+async def test_a_replica_crash_mid_turn_keeps_requests_until_a_new_replica_serves_them() -> None:
+    with trio.fail_after(90):
+        async with running_stack() as stack:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            fault = httpx.AsyncClient(base_url=url, timeout=10)
+            async with fault, dispatcher(stack, url) as (d, http):
+                await publish(stack, http, "r1")
+                async with spawn(stack, "launcher", replica_argv(stack, port, "cooperative")) as lw:
+                    await lw.line(lambda s: "]: ready" in s)
+                    r = await http.post("/v1/completions", json={"prompt": "a", "max_tokens": 4})
+                    assert r.status_code == 200 and versions(r.json()) == {"r1"}, r.text
+                    await publish(stack, http, "r2")
+                    await fault.post("/_stub/fault", json={"hang_requests": True})
+                    mark = len(d.lines)
+                    ids: dict[str, str] = {}
+                    for i in range(8):
+                        rev = ("r1", "r2")[i % 2]
+                        body = {"prompt": f"c{i}", "max_tokens": 4, "revision": rev}
+                        r = await http.post("/v1/samples", json=body)
+                        assert r.status_code == 202, r.text
+                        ids[r.json()["id"]] = rev
+                    await d.line(lambda s: "serving revision r1" in s, mark)
+                    st = await status(http)
+                    assert st["in_flight"] == 4, st  # the r1 requests hang in the replica
+                    r = await fault.post("/_stub/fault", json={"crash": True})
+                    assert r.status_code == 200, r.text
+                    code = await lw.wait()
+                    assert code != 0, lw.output()  # its child died: the launcher exits
+                await d.line(lambda s: "released" in s or "RELEASE failed" in s, mark)
+                st = await status(http)
+                assert st["counts"]["pending"] == 8 and st["in_flight"] == 0, st
+                for sid in ids:
+                    r = await http.get(f"/v1/samples/{sid}", params={"wait": 0})
+                    assert r.json()["status"] == "pending", r.text
+                # the same workload name and port: a new replica (fresh weights, no hang)
+                async with replica(stack, port=port) as (lw2, _):
+                    for sid, rev in ids.items():
+                        got = await result_of(http, sid)
+                        assert got["status"] == "done" and got["revision"] == rev, got
+                        assert versions(got["result"]) == {rev}, got
+                    # the new replica got each revision as a whole load
+                    assert stub_reloads(lw2, "r1") >= 1 and stub_reloads(lw2, "r2") >= 1
+                    st = await status(http)
+                    assert st["counts"] == {"pending": 0, "done": 9, "failed": 0}, st
+                    await stop(d)
+            assert stack.overlaps() == 0
+
+
+async def test_sigkill_during_a_load_parks_the_replica_and_a_restart_loads_it_whole() -> None:
+    with trio.fail_after(90):
+        slow = ("--reload-seconds", "5")  # the kill lands inside the load
+        async with (
+            running_stack() as stack,
+            replica(stack, "checkpoint", *slow) as (lw, url),
+            dispatcher(stack, url) as (d, http),
+        ):
+            await publish(stack, http, "r1")
+            ids = []
+            for i in range(5):
+                r = await http.post("/v1/samples", json={"prompt": f"l{i}", "max_tokens": 4})
+                assert r.status_code == 202, r.text
+                ids.append(r.json()["id"])
+            await d.line(lambda s: "loading revision r1" in s)
+            async with spawn(stack, "trainer", trainer(stack, 1, 0.5)) as tr:
+                await d.line(lambda s: "WAITING" in s)  # the trainer asked, mid-load
+                d.proc.kill()
+                assert await d.wait() == -signal.SIGKILL
+                assert not any("loaded revision" in s for s in d.lines), d.output()
+                assert stub_reloads(lw, "r1") == 0  # the stub is still inside that load
+
+                def trainer_after_park(st: dict[str, Any]) -> bool:
+                    t, v = workload(st, "trainer"), workload(st, "v")
+                    return bool(t and v and t["state"] == "active" and v["state"] == "parked")
+
+                await stack.until(trainer_after_park)
+                assert await tr.wait() == 0
+            async with dispatcher(stack, url) as (d2, http2):
+                for sid in ids:
+                    got = await result_of(http2, sid)
+                    assert got["status"] == "done" and versions(got["result"]) == {"r1"}, got
+                # recovery (resume / one bare finish), then a full load in the new turn
+                assert any("recovered the replica" in s for s in d2.lines), d2.output()
+                assert any("loaded revision r1" in s for s in d2.lines), d2.output()
+                assert (await status(http2))["counts"] == {"pending": 0, "done": 5, "failed": 0}
+                await stop(d2)
             assert stack.overlaps() == 0

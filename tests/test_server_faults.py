@@ -327,3 +327,33 @@ async def test_toggle_only_driver_parks_and_restores_with_toggle() -> None:
             ops = [e["argv"][0] for e in cc_log(stack) if e.get("pid") == pa]
             assert ops == ["--toggle", "--toggle"]
             assert stack.overlaps() == 0
+
+
+async def test_a_workload_exiting_during_its_park_is_not_a_fault() -> None:
+    with trio.fail_after(60):
+        async with running_stack() as stack:
+            pa = stack.sleeper(30 * GiB, label="a")
+            reg_a, reg_b = await stack.client(), await stack.client()
+            await reg_a.register("a", pid=pa)
+            await reg_b.register("b", pid=stack.sleeper())
+            t = await reg_a.acquire("a")
+            stack.ledger.inject(pa, "lock", hang=True)  # the tool blocks on this pid ...
+            async with trio.open_nursery() as n:
+                got = []
+
+                async def wait_b() -> None:
+                    got.append(await reg_b.acquire("b"))
+
+                n.start_soon(wait_b)
+                await stack.until(queue_is(["b"]))
+                n.start_soon(reg_a.release, "a", t.turn)
+                await stack.until(state_of("a", "parking"))
+                # ... while the workload's process exits: the driver frees its memory
+                next(p for p in stack.children if p.pid == pa).kill()
+            st = await stack.status()
+            assert got[0].turn == t.turn + 1
+            assert st["totals"]["faults"] == 0
+            assert workload(st, "a")["state"] == "parked"  # type: ignore[index]
+            await reg_a.aclose()
+            await reg_b.aclose()
+            assert stack.overlaps() == 0

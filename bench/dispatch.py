@@ -1,0 +1,521 @@
+"""Dispatcher benchmark: added latency, throughput ratio, memory per pending prompt token.
+
+    .venv/bin/python bench/dispatch.py [--requests N] [--clients C] [--json]
+        [--pending-tokens 1000000] [--prompt-tokens 2000] [--profile-dispatcher FILE]
+
+Starts its own slicerd (fake GPU, fresh ledger in a temp dir, READY=1 awaited on a
+NOTIFY_SOCKET), the vLLM stub under the real launcher (workload "v") and
+``slicer-dispatch``; every child dies with this process (PR_SET_PDEATHSIG) and is
+stopped with SIGTERM at the end; the temp dir is removed and no process naming it may
+be left (checked).
+
+1. Added latency. N sequential ``POST /v1/completions`` (``max_tokens: 1``) straight to
+   the stub while this process holds the replica's GPU turn itself (ACQUIRE "v",
+   ``/wake_up``), then N through the dispatcher while it holds a turn. The dispatcher
+   ends a turn as soon as nothing is pending, so a *keeper* (a long generation,
+   resubmitted before the previous one ends) keeps one request pending in both runs:
+   the figure is the per-request cost of the front, the journal and the turn loop, not
+   of a GPU handoff. The cold path (one request arriving with no turn held: ACQUIRE,
+   wake, serve, sleep, RELEASE) is reported separately.
+2. Throughput: C closed-loop clients send N requests each way; ratio dispatcher/direct.
+3. Memory: a hog workload holds the GPU so no turn can be granted; prompts of token
+   ids totalling ``--pending-tokens`` are accepted (``/v1/samples``); the store's own
+   figure (``pending_prompt_bytes`` in ``/status``: 4-byte arrays) and the dispatcher
+   process's RSS delta (psutil) are divided by the token count. Then the hog releases
+   and every pending request must be served.
+
+``--profile-dispatcher FILE`` runs the dispatcher under cProfile (written when it exits
+on SIGTERM): ``python -m pstats FILE``, then ``sort tottime``, ``stats 30``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: make slicer/stubs importable
+    sys.path.insert(0, str(ROOT))
+
+from slicer.client import AsyncSlicer  # noqa: E402
+from stubs.fakegpu import Ledger, parse_size  # noqa: E402
+
+TOOL = str(ROOT / "stubs" / "cuda-checkpoint")
+TARGETS = {"added_p50_ms": 2.0, "throughput_ratio": 0.8, "bytes_per_token": 8.0}
+TOKENS_PER_S = 2000  # the stub's pace: a probe (max_tokens 1) generates for 0.5 ms
+KEEPER_S = 3.0  # one keeper generates this long; the next is sent KEEPER_S - 1 s later
+
+
+# ---- statistics --------------------------------------------------------------------
+
+
+def pct(sorted_s: list[float], q: float) -> float:
+    """Nearest-rank percentile ``q`` (0..100) of sorted seconds."""
+    if not sorted_s:
+        return math.nan
+    return sorted_s[max(0, math.ceil(q / 100 * len(sorted_s)) - 1)]
+
+
+def summary_ms(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    return {
+        "n": len(s),
+        "p50": round(pct(s, 50) * 1e3, 3),
+        "p90": round(pct(s, 90) * 1e3, 3),
+        "p99": round(pct(s, 99) * 1e3, 3),
+        "max": round(s[-1] * 1e3, 3),
+    }
+
+
+# ---- the processes -----------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM it if this benchmark dies (no orphans)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Env:
+    base: Path
+    socket: str
+    stub_url: str
+    disp_url: str
+    env: dict[str, str]
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    rcs: dict[str, int | None] = field(default_factory=dict)
+
+    def log(self, name: str) -> Path:
+        return self.base / f"{name}.log"
+
+    def start(self, name: str, argv: list[str], *, session: bool = False) -> None:
+        with open(self.log(name), "ab") as logf:
+            self.procs[name] = subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                preexec_fn=_die_with_parent,
+                start_new_session=session,
+            )
+
+    def wait_for(self, name: str, what: str, ready: Any, timeout: float = 30) -> None:
+        """Poll ``ready()`` (every 10 ms) until true; the process must stay alive."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            proc = self.procs[name]
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log(name).read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name}: no {what} (rc={proc.poll()}):\n{tail}")
+            time.sleep(0.01)
+
+    def tail(self, name: str) -> str:
+        return self.log(name).read_text(errors="replace")[-3000:]
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float = 20) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
+        return proc.wait(timeout=10)
+
+
+def orphans(base: Path) -> list[str]:
+    """Processes still naming the temp dir on their command line."""
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if str(base) in cmd:
+            left.append(f"{p.info['pid']}: {cmd[:120]}")
+    return left
+
+
+@contextlib.contextmanager
+def running(args: argparse.Namespace) -> Iterator[Env]:
+    """slicerd, the stub under the launcher, and the dispatcher; all stopped on exit."""
+    base = Path(tempfile.mkdtemp(prefix="dispatch-bench-"))
+    os.chmod(base, 0o755)
+    gpu_dir = base / "gpu"
+    Ledger.init(gpu_dir, 1, parse_size("80GiB"))
+    env = {
+        **os.environ,
+        "FAKEGPU_DIR": str(gpu_dir),
+        "FAKEGPU_BANDWIDTH": "400GB",
+        "FAKEGPU_CC_LOG": str(base / "cc.log"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    env.pop("SLICER_SOCKET", None)
+    sock = str(base / "slicer.sock")
+    stub_port, disp_port = _free_port(), _free_port()
+    e = Env(base, sock, f"http://127.0.0.1:{stub_port}", f"http://127.0.0.1:{disp_port}", env)
+    try:
+        notify_path = str(base / "notify")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+            notify.bind(notify_path)
+            notify.settimeout(0.2)
+            e.env = {**env, "NOTIFY_SOCKET": notify_path}
+            daemon = [sys.executable, "-m", "slicer.daemon", "--socket", sock]
+            daemon += ["--gpu-backend", "fake", "--cuda-checkpoint", TOOL]
+            e.start("slicerd", [*daemon, "--state-dir", str(base / "state")])
+            e.env = env
+            got: list[bytes] = []
+
+            def ready() -> bool:
+                with contextlib.suppress(TimeoutError):
+                    got.append(notify.recv(4096))
+                return any(b"READY=1" in m for m in got)
+
+            e.wait_for("slicerd", "READY=1", ready)
+        ready_file = base / "ready"
+        argv = [sys.executable, "-m", "launcher.main", "vllm", "--workload", "v"]
+        argv += ["--socket", sock, "--park", "cooperative", "--ready-file", str(ready_file)]
+        argv += ["--", sys.executable, "-m", "stubs.vllm_stub", "serve", "m"]
+        argv += ["--port", str(stub_port), "--fake-workload", "v"]
+        argv += ["--tokens-per-s", str(TOKENS_PER_S), "--max-model-len", "16384"]
+        e.start("launcher", argv, session=True)
+        e.wait_for("launcher", "ready marker", ready_file.exists, timeout=60)
+        prefix = [sys.executable]
+        if args.profile_dispatcher:
+            prefix += ["-m", "cProfile", "-o", os.path.abspath(args.profile_dispatcher)]
+        argv = [*prefix, "-m", "dispatcher.main", "--workload", "v", "--replica", e.stub_url]
+        argv += ["--socket", sock, "--state-dir", str(base / "dstate")]
+        argv += ["--listen", f"127.0.0.1:{disp_port}", "--log-level", "warning"]
+        e.start("dispatcher", argv)
+        e.wait_for("dispatcher", "'listening on'", lambda: "listening on" in e.tail("dispatcher"))
+        yield e
+    finally:
+        for name in ("dispatcher", "launcher", "slicerd"):
+            if name in e.procs:
+                e.rcs[name] = _stop(e.procs[name])
+        e.rcs["orphans"] = len(orphans(base))
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# ---- the measurements --------------------------------------------------------------
+
+
+def _probe(i: int) -> dict[str, Any]:
+    return {"prompt": f"probe {i}", "max_tokens": 1, "return_weight_versions": True}
+
+
+async def latency(http: httpx.AsyncClient, n: int, warmup: int) -> list[float]:
+    """``n`` sequential completions (after ``warmup`` unmeasured ones), in seconds."""
+    out: list[float] = []
+    for i in range(warmup + n):
+        t0 = time.perf_counter()
+        r = await http.post("/v1/completions", json=_probe(i))
+        dt = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise RuntimeError(f"probe {i}: HTTP {r.status_code}: {r.text[:300]}")
+        if i >= warmup:
+            out.append(dt)
+    return out
+
+
+async def throughput(http: httpx.AsyncClient, n: int, clients: int) -> float:
+    """Requests per second of ``clients`` closed-loop clients sending ``n`` in all."""
+    left = iter(range(n))
+
+    async def client() -> None:
+        for i in left:
+            r = await http.post("/v1/completions", json=_probe(i))
+            if r.status_code != 200:
+                raise RuntimeError(f"request {i}: HTTP {r.status_code}: {r.text[:300]}")
+
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(clients):
+            nursery.start_soon(client)
+    return n / (time.perf_counter() - t0)
+
+
+@contextlib.asynccontextmanager
+async def keepers(http: httpx.AsyncClient, via_dispatcher: bool) -> AsyncIterator[None]:
+    """Keep one long generation pending (a new one before the last ends); on exit,
+    stop sending them and wait for the last to finish."""
+    body = {"prompt": "keeper", "max_tokens": int(KEEPER_S * TOKENS_PER_S)}
+    stop = trio.Event()
+    last: list[str] = []
+
+    async def one() -> None:
+        if via_dispatcher:
+            r = await http.post("/v1/samples", json=body)
+            if r.status_code != 202:
+                raise RuntimeError(f"keeper: HTTP {r.status_code}: {r.text[:300]}")
+            last[:] = [r.json()["id"]]
+        else:
+            r = await http.post("/v1/completions", json=body)
+            if r.status_code != 200:
+                raise RuntimeError(f"keeper: HTTP {r.status_code}: {r.text[:300]}")
+
+    async def loop(nursery: trio.Nursery) -> None:
+        while not stop.is_set():
+            nursery.start_soon(one)
+            with trio.move_on_after(KEEPER_S - 1.0):
+                await stop.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loop, nursery)
+        yield
+        stop.set()
+    for sid in last:  # the dispatcher's last keeper: wait for its result
+        await http.get(f"/v1/samples/{sid}", params={"wait": KEEPER_S + 30})
+
+
+async def until_serving(via: httpx.AsyncClient) -> None:
+    """Wait (bounded) until the dispatcher holds a turn and serves."""
+    with trio.fail_after(30):
+        while (await via.get("/status")).json()["state"] != "serving":
+            await trio.sleep(0.01)
+
+
+def cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+async def measure(e: Env, args: argparse.Namespace) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    n, warm = args.requests, max(10, args.requests // 20)
+    disp_pid = e.procs["dispatcher"].pid
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    direct = httpx.AsyncClient(base_url=e.stub_url, timeout=120, limits=limits)
+    via = httpx.AsyncClient(base_url=e.disp_url, timeout=120, limits=limits)
+    async with direct, via, await AsyncSlicer.connect(e.socket) as sl:
+        # 1+2 direct: this process holds the replica's turn and wakes it
+        turn = await sl.acquire("v", wait=60)
+        (await direct.post("/wake_up")).raise_for_status()
+        async with keepers(direct, via_dispatcher=False):
+            res["direct_latency_s"] = await latency(direct, n, warm)
+            res["direct_rps"] = await throughput(direct, n, args.clients)
+        (await direct.post("/sleep", params={"level": 1, "mode": "abort"})).raise_for_status()
+        await sl.release("v", turn.turn)
+
+        # 1+2 through the dispatcher
+        ckpt = e.base / "ckpt" / "r1"
+        ckpt.mkdir(parents=True)
+        (ckpt / "revision.txt").write_text("r1")
+        r = await via.post("/v1/revisions", json={"revision": "r1", "path": str(ckpt)})
+        r.raise_for_status()
+        cold = []
+        for i in range(5):  # cold: each request is a whole turn (nothing else pending)
+            t0 = time.perf_counter()
+            (await via.post("/v1/completions", json=_probe(i))).raise_for_status()
+            cold.append(time.perf_counter() - t0)
+        res["cold_ms"] = summary_ms(cold[1:])  # the first one also loads r1
+        async with keepers(via, via_dispatcher=True):
+            await until_serving(via)
+            c0 = cpu_s(disp_pid)
+            res["via_latency_s"] = await latency(via, n, warm)
+            res["dispatcher_cpu_us_per_request"] = round(
+                (cpu_s(disp_pid) - c0) / (n + warm) * 1e6, 1
+            )
+            res["via_rps"] = await throughput(via, n, args.clients)
+
+        # 3 memory: a hog holds the GPU; prompts pile up in the dispatcher
+        hog_pid = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(600)"], preexec_fn=_die_with_parent
+        )
+        try:
+            async with await AsyncSlicer.connect(e.socket) as hog:
+                await hog.register("hog", pid=hog_pid.pid)
+                hturn = await hog.acquire("hog", wait=60)
+                res["memory"] = await memory(e, via, args)
+                await hog.release("hog", hturn.turn, park="now")
+                t0 = time.perf_counter()
+                with trio.fail_after(120):
+                    while (st := (await via.get("/status")).json())["counts"]["pending"]:
+                        await trio.sleep(0.1)
+                res["memory"]["served_all_s"] = round(time.perf_counter() - t0, 2)
+                res["memory"]["counts_after"] = st["counts"]
+                res["dispatcher_counters"] = st["counters"]
+                await hog.unregister("hog")
+        finally:
+            hog_pid.kill()
+            hog_pid.wait()
+    return res
+
+
+async def memory(e: Env, via: httpx.AsyncClient, args: argparse.Namespace) -> dict[str, Any]:
+    proc = psutil.Process(e.procs["dispatcher"].pid)
+    st = (await via.get("/status")).json()
+    per = args.prompt_tokens
+    count = math.ceil(args.pending_tokens / per)
+    rng = random.Random(1)
+    bodies = [
+        {"prompt": [rng.randrange(1, 50000) for _ in range(per)], "max_tokens": 1}
+        for _ in range(count)
+    ]
+    pending0, tokens0 = st["counts"]["pending"], st["pending_prompt_tokens"]
+    rss0 = proc.memory_info().rss
+    left = iter(bodies)
+
+    async def client() -> None:
+        for body in left:
+            r = await via.post("/v1/samples", json=body)
+            if r.status_code != 202:
+                raise RuntimeError(f"sample: HTTP {r.status_code}: {r.text[:300]}")
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(8):
+            nursery.start_soon(client)
+    rss1 = proc.memory_info().rss
+    st = (await via.get("/status")).json()
+    tokens = st["pending_prompt_tokens"] - tokens0
+    return {
+        "requests": st["counts"]["pending"] - pending0,
+        "tokens": tokens,
+        "state_while_held": st["state"],
+        "array_bytes": st["pending_prompt_bytes"],
+        "array_bytes_per_token": round(st["pending_prompt_bytes"] / max(1, tokens), 3),
+        "rss_before_mib": round(rss0 / 2**20, 1),
+        "rss_after_mib": round(rss1 / 2**20, 1),
+        "rss_delta_bytes_per_token": round((rss1 - rss0) / max(1, tokens), 3),
+    }
+
+
+# ---- the report --------------------------------------------------------------------
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def analyse(raw: dict[str, Any]) -> dict[str, Any]:
+    d, v = raw.pop("direct_latency_s"), raw.pop("via_latency_s")
+    ds, vs = summary_ms(d), summary_ms(v)
+    added = {k: round(vs[k] - ds[k], 3) for k in ("p50", "p90", "p99")}
+    ratio = raw["via_rps"] / raw["direct_rps"]
+    mem = raw["memory"]
+    bpt = max(mem["array_bytes_per_token"], mem["rss_delta_bytes_per_token"])
+    return {
+        **raw,
+        "direct_ms": ds,
+        "via_ms": vs,
+        "added_ms": added,
+        "throughput_ratio": round(ratio, 3),
+        "direct_rps": round(raw["direct_rps"], 1),
+        "via_rps": round(raw["via_rps"], 1),
+        "verdicts": {
+            "added_p50": verdict(added["p50"] <= TARGETS["added_p50_ms"]),
+            "throughput_ratio": verdict(ratio >= TARGETS["throughput_ratio"]),
+            "bytes_per_token": verdict(bpt <= TARGETS["bytes_per_token"]),
+        },
+    }
+
+
+def print_report(res: dict[str, Any]) -> None:
+    d, v, a, m = res["direct_ms"], res["via_ms"], res["added_ms"], res["memory"]
+    vd = res["verdicts"]
+    rows = [
+        ("latency direct p50 / p99", f"{d['p50']} / {d['p99']} ms", "", ""),
+        ("latency via dispatcher p50 / p99", f"{v['p50']} / {v['p99']} ms", "", ""),
+        ("added latency p50", f"{a['p50']} ms", "<= 2 ms", vd["added_p50"]),
+        ("added latency p90 / p99", f"{a['p90']} / {a['p99']} ms", "", ""),
+        ("dispatcher CPU per request", f"{res['dispatcher_cpu_us_per_request']} us", "", ""),
+        ("cold request (whole turn) p50", f"{res['cold_ms']['p50']} ms", "", ""),
+        ("throughput direct", f"{res['direct_rps']} req/s", "", ""),
+        ("throughput via dispatcher", f"{res['via_rps']} req/s", "", ""),
+        ("throughput ratio", f"{res['throughput_ratio']}", ">= 0.8", vd["throughput_ratio"]),
+        ("pending held", f"{m['tokens']} tokens in {m['requests']} requests", "", ""),
+        ("  array storage per token", f"{m['array_bytes_per_token']} B", "<= 8 B", ""),
+        ("  dispatcher RSS delta per token", f"{m['rss_delta_bytes_per_token']} B", "<= 8 B",
+         vd["bytes_per_token"]),
+        ("  RSS before / after", f"{m['rss_before_mib']} / {m['rss_after_mib']} MiB", "", ""),
+        ("  then served all in", f"{m['served_all_s']} s", "", ""),
+    ]  # fmt: skip
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    print(
+        f"dispatcher bench ({res['requests']} requests, {res['clients']} clients, "
+        f"python {res['python']}, {res['cpus']} CPUs)"
+    )
+    for r in rows:
+        print(f"  {r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:<{w[2]}}  {r[3]}")
+    print(
+        f"  exit codes {res['exit_codes']}  checks ok: {res['checks_ok']}  "
+        f"total: {res['total_s']} s"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=1000, help="measured requests per run")
+    ap.add_argument("--clients", type=int, default=32, help="concurrent clients (throughput)")
+    ap.add_argument("--pending-tokens", type=int, default=1_000_000)
+    ap.add_argument("--prompt-tokens", type=int, default=2000, help="token ids per prompt")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--profile-dispatcher", metavar="FILE", help="run it under cProfile")
+    args = ap.parse_args()
+    # SIGTERM unwinds like Ctrl-C: the children are stopped and the temp dir removed.
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    t0 = time.perf_counter()
+    res: dict[str, Any] = {
+        "requests": args.requests,
+        "clients": args.clients,
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+    }
+    with running(args) as e:
+        try:
+            raw = trio.run(measure, e, args)
+        except BaseException:
+            for name in ("dispatcher", "launcher"):
+                print(f"---- {name} log (tail) ----\n{e.tail(name)}", file=sys.stderr)
+            raise
+    res.update(analyse(raw))
+    res["exit_codes"] = e.rcs
+    res["total_s"] = round(time.perf_counter() - t0, 1)
+    counts = res["memory"]["counts_after"]
+    res["checks_ok"] = (
+        all(e.rcs.get(k) == 0 for k in ("dispatcher", "launcher", "slicerd", "orphans"))
+        and counts["pending"] == 0
+        and counts["failed"] == 0
+        and res["memory"]["state_while_held"] == "acquiring"
+        and not e.base.exists()
+    )
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+    else:
+        print_report(res)
+    return 0 if res["checks_ok"] else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,280 @@
+"""Serving inside a held turn: load a revision whole, send pending requests, commit.
+
+:class:`Serving` is the half of :class:`~dispatcher.turns.TurnLoop` that runs between
+wake and sleep, plus the state both halves share (the in-flight sends, the retry times,
+the broadcast event ``_changed``). It never acquires, wakes, sleeps or releases: that is
+:mod:`dispatcher.turns`.
+
+Inside a turn (:meth:`Serving._serve`)::
+
+    loop:  revision = _choose()                    core.next_revision, preferring the
+                                                   loaded one (no reload)
+           _load(revision) as a whole              <= load_timeout, only with no send
+                                                   in flight
+           _fill(): send pending requests of it    <= concurrency at once, each bounded
+                                                   by its deadline
+           _judge(): commit only if core.result_ok
+           until nothing is pending, or WAITING was seen and turn_seconds passed since
+           serving began, or the replica failed
+    grace  sends in flight get turn_grace, then are cancelled (they stay pending)
+
+A rejected or failed send is retried after ``RETRY_AFTER_S``; vLLM's own 400/422 fails
+the request for good (retrying cannot help); a 5xx or no answer marks the replica failed,
+which ends the turn (and the next one starts with a recovery).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from dispatcher.core import TurnPlan, next_revision, request_body, result_ok, weight_versions
+from dispatcher.errors import NotFound, ReplicaError
+from dispatcher.store import Pending, Store
+from dispatcher.vllm import Replica
+from slicer.client import Turn
+
+__all__ = ["RETRY_AFTER_S", "Counters", "Serving", "TurnConfig", "TurnState"]
+
+log = logging.getLogger("dispatcher.serve")
+
+RETRY_AFTER_S = 1.0  # a rejected or failed send is tried again after this
+_PERMANENT = (400, 422)  # vLLM refused the request itself: retrying cannot help
+
+
+@dataclass(frozen=True)
+class TurnConfig:
+    """What the loop was told (the ``slicer-dispatch`` options)."""
+
+    workload: str
+    socket: str | None = None
+    model: str | None = None  # served model name sent to vLLM; None: vLLM's default
+    turn_seconds: float = 30.0
+    turn_grace: float = 10.0
+    sample_deadline: float = 3600.0
+    concurrency: int = 64
+    acquire_wait: float = 60.0
+    wake_timeout: float = 300.0
+    load_timeout: float = 1800.0
+    sleep_timeout: float = 300.0
+
+
+@dataclass
+class Counters:
+    """Monotonic counters for /status and /metrics."""
+
+    turns: int = 0
+    turn_errors: int = 0
+    loads: int = 0
+    load_failures: int = 0
+    sends: int = 0
+    commits: int = 0
+    expired: int = 0
+    refused_by_replica: int = 0
+    rejects: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class TurnState:
+    """The held turn as the loop sees it (clocks are trio's)."""
+
+    turn: Turn
+    waiting_seen_at: float | None = None  # trio clock
+    serving_since: float | None = None  # trio clock
+    replica_failed: str | None = None
+
+
+def _reject_reason(body: dict[str, Any], p: Pending, epoch_at_send: int, epoch_now: int) -> str:
+    """Why :func:`core.result_ok` refused ``body`` (a metrics label)."""
+    choices = body.get("choices")
+    if not isinstance(choices, list) or len(choices) != (p.params.get("n") or 1):
+        return "choices"
+    if any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices):
+        return "aborted"
+    if epoch_at_send != epoch_now:
+        return "epoch"
+    if any(not spans for spans in weight_versions(body)):
+        return "no_weight_versions"
+    return "weight_version"
+
+
+class Serving:
+    """The serving half of the turn loop and the state it shares with the other half."""
+
+    def __init__(self, store: Store, replica: Replica, cfg: TurnConfig) -> None:
+        self.store = store
+        self.replica = replica
+        self.cfg = cfg
+        self.counters = Counters()
+        self.state = "idle"
+        self._needs_recover = True  # first sight of the replica
+        self._changed = trio.Event()
+        self._finished: dict[str, trio.Event] = {}
+        self._in_flight: dict[str, trio.CancelScope] = {}
+        self._retry_at: dict[str, float] = {}
+        self._current: TurnState | None = None
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _wait_change(self, timeout: float) -> None:
+        event = self._changed
+        with trio.move_on_after(max(0.0, timeout)):
+            await event.wait()
+
+    def _done(self, id: str) -> None:
+        self._retry_at.pop(id, None)
+        event = self._finished.pop(id, None)
+        if event is not None:
+            event.set()
+
+    # -- serving ---------------------------------------------------------------------
+
+    def _sendable(self, p: Pending, now: float) -> bool:
+        return p.id not in self._in_flight and self._retry_at.get(p.id, 0.0) <= now
+
+    def _choose(self, now: float) -> str | None:
+        """The revision to work on: core.next_revision, unless the loaded one has only
+        requests that wait for a retry while another revision has work."""
+        revs = self.store.pending_revisions()
+        loaded = self.replica.known_version
+        want = next_revision(revs, loaded)
+        stuck = want is not None and want == loaded and not self._in_flight
+        if stuck and not any(self._sendable(p, now) for p in self.store.pending(loaded)):
+            others = [r for r in revs if r != loaded]
+            return others[0] if others else want
+        return want
+
+    async def _serve(self, cur: TurnState) -> str:
+        """Load and send until the turn should end; returns why it ended."""
+        n = cur.turn.turn
+        async with trio.open_nursery() as sends:
+            while True:
+                now = trio.current_time()
+                pending = self.store.counts()["pending"]
+                if cur.replica_failed:
+                    reason = "replica-error"
+                    break
+                if cur.serving_since is not None and TurnPlan.should_end(
+                    now, cur.serving_since, cur.waiting_seen_at, pending, self.cfg.turn_seconds
+                ):
+                    reason = "idle" if pending == 0 else "waiting"
+                    break
+                if pending == 0:
+                    reason = "idle"
+                    break
+                want = self._choose(now)
+                if want is not None and want != self.replica.known_version:
+                    if not self._in_flight:  # loads are whole, and never under a send
+                        await self._load(cur, want)
+                        continue
+                elif want is not None:
+                    if cur.serving_since is None:
+                        cur.serving_since = now
+                        self.state = "serving"
+                        log.info("turn %d: serving revision %s (%d pending)", n, want, pending)
+                    self._fill(sends, want, now)
+                ends = TurnPlan(self.cfg.turn_seconds).ends_at(
+                    cur.serving_since or now, cur.waiting_seen_at
+                )
+                timeout = RETRY_AFTER_S if ends is None else min(RETRY_AFTER_S, ends - now)
+                await self._wait_change(timeout)
+            if self._in_flight:
+                self.state = "grace"
+                log.info("turn %d: ending (%s); %d send(s) in flight get %g s", n, reason,
+                         len(self._in_flight), self.cfg.turn_grace)  # fmt: skip
+                with trio.move_on_after(self.cfg.turn_grace):
+                    while self._in_flight:
+                        await self._wait_change(RETRY_AFTER_S)
+                if self._in_flight:
+                    log.info("turn %d: cancelling %d send(s); they stay pending", n,
+                             len(self._in_flight))  # fmt: skip
+                sends.cancel_scope.cancel()
+        return reason
+
+    async def _load(self, cur: TurnState, revision: str) -> None:
+        self.state = "loading"
+        rev = self.store.revision(revision)
+        t0 = time.monotonic()
+        log.info("turn %d: loading revision %s from %s", cur.turn.turn, revision, rev.path)
+        try:
+            await self.replica.load(revision, rev.path, self.cfg.load_timeout)
+        except ReplicaError:
+            self.counters.load_failures += 1
+            self._needs_recover = True
+            raise
+        self.counters.loads += 1
+        log.info("turn %d: loaded revision %s in %.3f s", cur.turn.turn, revision,
+                 time.monotonic() - t0)  # fmt: skip
+
+    def _fill(self, sends: trio.Nursery, revision: str, now: float) -> None:
+        free = self.cfg.concurrency - len(self._in_flight)
+        if free <= 0:
+            return
+        for p in self.store.pending(revision):
+            if free <= 0:
+                break
+            if self._sendable(p, now):
+                scope = trio.CancelScope()
+                self._in_flight[p.id] = scope
+                sends.start_soon(self._send, p, scope, self.replica.epoch)
+                free -= 1
+
+    async def _send(self, p: Pending, scope: trio.CancelScope, epoch: int) -> None:
+        """Send ``p`` once; commit the answer only if core.result_ok says so."""
+        try:
+            with scope:
+                try:
+                    self.store.attempt(p.id)
+                except NotFound:
+                    return  # finished (expired) meanwhile
+                self.counters.sends += 1
+                body = request_body(p, self.cfg.model or "")
+                if not self.cfg.model:
+                    del body["model"]  # vLLM serves its only model
+                timeout = max(1.0, p.deadline - time.time())
+                try:
+                    answer = await self.replica.complete(p.kind, body, timeout)
+                except ReplicaError as e:
+                    self._send_failed(p, e)
+                    return
+                self._judge(p, answer, epoch)
+        finally:
+            self._in_flight.pop(p.id, None)
+            self._signal()
+
+    def _judge(self, p: Pending, answer: dict[str, Any], epoch: int) -> None:
+        if not self.store.is_pending(p.id):
+            return
+        loaded = self.replica.known_version or ""
+        if result_ok(p, answer, loaded, epoch, self.replica.epoch):
+            self.store.complete(p.id, answer)
+            self.counters.commits += 1
+            self._done(p.id)
+            return
+        reason = _reject_reason(answer, p, epoch, self.replica.epoch)
+        self.counters.rejects[reason] += 1
+        self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
+        log.warning("%s (revision %s): result not committed (%s); stays pending", p.id,
+                    p.revision, reason)  # fmt: skip
+
+    def _send_failed(self, p: Pending, e: ReplicaError) -> None:
+        if e.status in _PERMANENT and self.store.is_pending(p.id):
+            self.counters.refused_by_replica += 1
+            self.store.fail(p.id, f"refused by the replica (HTTP {e.status}): {e}")
+            self._done(p.id)
+            return
+        self.counters.rejects["error"] += 1
+        self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
+        log.warning("%s: send failed (%s); stays pending", p.id, e)
+        if (e.status is None or e.status >= 500) and self._current is not None:
+            self._current.replica_failed = str(e)
+            self._signal()

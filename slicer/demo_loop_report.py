@@ -1,0 +1,182 @@
+"""The loop demo's report: slicerd's view (turns, parks, restores, from WATCH events),
+the dispatcher's view of the sampler (vLLM wake, weight load and sleep, from its log),
+the sampling client's outcomes, and the PNG chart (`slicer.demo_png`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from slicer.demo_loop import describe
+from slicer.demo_png import Bar, write_chart
+from slicer.demo_proc import Recording
+from slicer.demo_report import (
+    _ms_stats,
+    analyze,
+    common_problems,
+    relative,
+    render_failure,
+    render_stats,
+    render_timeline,
+    render_turns,
+)
+from stubs.fakegpu import Ledger
+
+NAMES = ["trainer", "sampler"]
+_PHASE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) slicer-dispatch\[\d+\] INFO turn \d+: "
+    r"(woke|loaded revision \S+|slept the replica) in ([\d.]+) s$"
+)
+
+
+def vllm_phases(log: Path) -> dict[str, list[dict[str, Any]]]:
+    """The sampler's wake, load and sleep spans, from the dispatcher's log lines, on the
+    monotonic clock (the daemon's): each line is logged (wall clock, ms) as its phase
+    ends, with its duration."""
+    out: dict[str, list[dict[str, Any]]] = {"wake": [], "load": [], "sleep": []}
+    if not log.exists():
+        return out
+    wall_to_mono = time.time() - time.monotonic()
+    for line in log.read_text(errors="replace").splitlines():
+        m = _PHASE.match(line.strip())
+        if m is None:
+            continue
+        end = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() - wall_to_mono
+        secs = float(m[3])
+        kind = {"w": "wake", "l": "load", "s": "sleep"}[m[2][0]]
+        out[kind].append({"workload": "sampler", "start": end - secs, "end": end,
+                          "ms": round(secs * 1000)})  # fmt: skip
+    return out
+
+
+def build_loop_report(
+    opts: argparse.Namespace, rec: Recording, ledger: Ledger | None, base: Path
+) -> dict[str, Any]:
+    """Everything the loop demo shows, as one JSON-able dict; `ok` and `problems` decide."""
+    phases = vllm_phases(base / "dispatcher.log")
+    overlay = [("r", phases["wake"] + phases["load"]), ("p", phases["sleep"])]
+    a = analyze(rec, NAMES, overlay)
+    overlaps = ledger.overlaps() if ledger is not None else None  # None: a real GPU
+    problems = common_problems(a, overlaps or 0)
+    expected = opts.revisions * opts.requests
+    client = rec.client
+    served = client.served() if client is not None else 0
+    per_revision: dict[str, int] = {}
+    if client is not None:
+        for o in client.outcomes:
+            per_revision[o.revision] = per_revision.get(o.revision, 0) + (o.status == "done")
+        problems += [f"request {p}" for p in client.problems(expected)]
+    else:
+        problems.append("the sampling client did not run")
+    if served != expected:
+        problems.append(f"only {served} of {expected} requests were served with their revision")
+    for name, rc in rec.exit_codes.items():
+        if rc != 0:
+            problems.append(f"{name} exited with {rc}")
+    if rec.daemon_rc not in (0, None):
+        problems.append(f"slicerd exited with {rec.daemon_rc}")
+    if a["handoffs"] < 2:
+        problems.append(f"only {a['handoffs']} handoffs: nothing was demonstrated")
+    r = relative(a)
+    t0 = a["t0"]
+    vllm = {
+        k: [{**s, "start": round(s["start"] - t0, 3), "end": round(s["end"] - t0, 3)} for s in v]
+        for k, v in phases.items()
+    }
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "mode": "loop",
+        "config": {
+            "real": bool(opts.real),
+            "revisions": opts.revisions,
+            "requests": opts.requests,
+            "capacity": opts.capacity,
+            "bytes": opts.bytes,
+            "bandwidth": opts.bandwidth,
+            "work": opts.work,
+        },
+        "summary": describe(opts),
+        **r,
+        "vllm": vllm,
+        "vllm_stats": {k: _ms_stats([s["ms"] for s in v]) for k, v in phases.items()},
+        "requests": {"expected": expected, "served": served, "per_revision": per_revision},
+        "overlaps": overlaps,
+        "overlap_log": ledger.overlap_log() if ledger is not None else [],
+        "exit_codes": rec.exit_codes,
+        "daemon_exit_code": rec.daemon_rc,
+        "png": None,
+        "dir": str(base),
+    }
+
+
+def _overlaps(r: dict[str, Any]) -> str:
+    return "n/a (real GPU)" if r["overlaps"] is None else str(r["overlaps"])
+
+
+def title(r: dict[str, Any]) -> str:
+    """The chart's title line."""
+    q = r["requests"]
+    return (
+        f"gpu-slicer demo: overlaps {_overlaps(r)}, GPU busy {r['busy_fraction'] * 100:.1f}%, "
+        f"served {q['served']}/{q['expected']} with their revision"
+    )
+
+
+def write_png(r: dict[str, Any], path: Path) -> None:
+    """Draw the report's timeline into `path`; record path and size in `r["png"]`."""
+    bars: dict[str, list[Bar]] = {n: [] for n in NAMES}
+    for t in r["turns"]:
+        end = r["window_s"] if t["end"] is None else t["end"]
+        bars.setdefault(t["workload"], []).append((t["start"], end, "held"))
+    for kind, spans in (("parking", r["parks"]), ("restoring", r["restores"])):
+        for s in spans:
+            end = r["window_s"] if s["end"] is None else s["end"]
+            bars.setdefault(s["workload"], []).append((s["start"], end, kind))
+    for s in r["vllm"]["wake"] + r["vllm"]["load"]:
+        bars["sampler"].append((s["start"], s["end"], "restoring"))
+    for s in r["vllm"]["sleep"]:
+        bars["sampler"].append((s["start"], s["end"], "parking"))
+    width, height = write_chart(path, title(r), list(bars.items()), r["window_s"])
+    r["png"] = {"path": str(path), "width": width, "height": height}
+
+
+def render_loop(r: dict[str, Any]) -> str:
+    """The human report of the loop demo."""
+    q = r["requests"]
+    per = ", ".join(f"{rev} {n}" for rev, n in q["per_revision"].items())
+    labels = {"wake": "vLLM wake", "load": "load rev", "sleep": "vLLM sleep"}
+    extra = [("sampler", labels[k], s) for k, s in r["vllm_stats"].items()]
+    out = [
+        f"{r['summary']}; {r['window_s']:.2f} s from the first grant",
+        "",
+        *render_timeline(
+            r,
+            "'#' holds the GPU, 'p' parking, 'r' restoring; the sampler's 'r' and 'p' "
+            "inside its turns are vLLM wake + weight load and vLLM sleep",
+        ),
+        "",
+        *render_turns(r),
+        "",
+        *render_stats(r, extra),
+        "  (slicerd parks the sampler by verifying it slept: park=cooperative)",
+        "",
+        f"handoffs: {r['handoffs']}",
+        f"GPU busy: {r['busy_fraction'] * 100:.1f}% of the run held by the trainer or the sampler "
+        "(the rest: parking, restoring, granting, idle)",
+        f"overlaps: {_overlaps(r)}",
+        f"requests per revision served with it: {per or '-'}",
+    ]
+    if r["png"] is not None:
+        png = r["png"]
+        out.append(f"chart: {png['path']} ({png['width']}x{png['height']} PNG)")
+    if r["ok"]:
+        out.append(f"OK: every request was served with its revision: {q['served']}/{q['expected']}")
+    else:
+        out.append(f"requests served with their revision: {q['served']}/{q['expected']}")
+        out += render_failure(r)
+    return "\n".join(out)

@@ -1,0 +1,249 @@
+"""The demo's processes: start them in their own process groups, watch slicerd's events,
+and always end them (SIGTERM, then SIGKILL after a bound, then whatever is left of each
+group). Shared by both demo modes (`slicer.demo`, `slicer.demo_loop`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import proto
+from slicer.client import AsyncSlicer, ClientError
+from slicer.demo_client import ClientReport
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "stubs" / "cuda-checkpoint"
+READY_TIMEOUT_S = 20.0
+CHILD_GRACE_S = 5.0
+DAEMON_GRACE_S = 10.0
+GROUP_GRACE_S = 5.0
+
+
+class DemoError(Exception):
+    """The demo could not run (the daemon did not start, a child died early, ...)."""
+
+
+class Interrupted(DemoError):
+    """A signal ended the run."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@dataclass
+class Procs:
+    """Every child we started, so that `finally` can always end them."""
+
+    daemon: subprocess.Popen[bytes] | None = None
+    children: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def all(self) -> list[subprocess.Popen[bytes]]:
+        """The children (last started first) and the daemon."""
+        kids = list(reversed(self.children.values()))
+        return [*kids, *([self.daemon] if self.daemon else [])]
+
+
+@dataclass
+class Recording:
+    """What one run saw: events (with local arrival time) and the stop moment."""
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+    first_grant_local: float | None = None
+    stop_local: float | None = None
+    exit_codes: dict[str, int] = field(default_factory=dict)
+    daemon_rc: int | None = None
+    extended_s: float = 0.0
+    client: ClientReport | None = None  # loop mode: the sampling client's outcomes
+
+
+def child_env(base: Path, bandwidth: str) -> dict[str, str]:
+    """The environment of every child: the fake GPU in `base`, our checkout importable."""
+    env = dict(os.environ)
+    for name in ("SLICER_SOCKET", "SLICER_WORKLOAD", "NOTIFY_SOCKET", "FAKEGPU_WORKLOAD"):
+        env.pop(name, None)
+    env.update(
+        FAKEGPU_DIR=str(base / "gpu"),
+        FAKEGPU_BANDWIDTH=bandwidth,
+        FAKEGPU_CC_LOG=str(base / "cc.log"),
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
+        # The cuda-checkpoint stub runs under `env python3`: make that our interpreter
+        # (which has psutil), not a shim that would re-exec it, so moves cost less.
+        PATH=os.pathsep.join(
+            p for p in (os.path.dirname(sys.executable), env.get("PATH", "")) if p
+        ),
+    )
+    return env
+
+
+def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Start `argv` in a session (process group) of its own, output to `log`."""
+    with open(log, "ab") as f:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # our own process group: cleanup can reach grandchildren
+        )
+
+
+async def start_daemon(
+    base: Path, env: dict[str, str], procs: Procs, args: list[str] | None = None
+) -> str:
+    """Start slicerd as systemd would and wait (bounded) for its READY=1; its socket."""
+    sock = str(base / "slicer.sock")
+    notify_path = str(base / "notify")
+    if args is None:
+        args = ["--gpu-backend", "fake", "--cuda-checkpoint", str(TOOL)]
+    args = [*args, "--socket", sock, "--state-dir", str(base / "state"), "--log-level", "info"]
+    with trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        await notify.bind(notify_path)
+        procs.daemon = spawn(
+            [sys.executable, "-m", "slicer.daemon", *args],
+            {**env, "NOTIFY_SOCKET": notify_path},
+            base / "slicerd.log",
+        )
+        deadline = trio.current_time() + READY_TIMEOUT_S
+        while True:
+            if procs.daemon.poll() is not None:
+                raise DemoError(f"slicerd exited with {procs.daemon.returncode} before READY=1")
+            if trio.current_time() > deadline:
+                raise DemoError(f"slicerd sent no READY=1 within {READY_TIMEOUT_S:.0f} s")
+            with trio.move_on_after(0.2):
+                if b"READY=1" in await notify.recv(4096):
+                    break
+    os.unlink(notify_path)
+    return sock
+
+
+async def watch(sock: str, rec: Recording, first_grant: trio.Event) -> None:
+    """Record every EVENT (until cancelled or the daemon goes away)."""
+    with contextlib.suppress(ClientError):
+        async with await AsyncSlicer.connect(sock) as c:
+            await c.request(proto.Watch())
+            while True:
+                msg = await c.next_message()
+                if not isinstance(msg, proto.Event) or not isinstance(msg.body, dict):
+                    continue
+                rec.events.append({**msg.body, "_recv": time.monotonic()})
+                if msg.body.get("event") == "granted" and not first_grant.is_set():
+                    rec.first_grant_local = time.monotonic()
+                    first_grant.set()
+
+
+def log_tail(log: Path, lines: int = 3) -> str:
+    """The last `lines` lines of `log`, indented (for error messages)."""
+    tail = log.read_text(errors="replace").strip().splitlines()[-lines:] if log.exists() else []
+    return "\n  ".join(["", *tail]) if tail else " (no output)"
+
+
+def check_alive(procs: Procs, base: Path, names: list[str] | None = None) -> None:
+    """Raise DemoError when slicerd or one of the children `names` (default: all) has
+    exited before the stop."""
+    if procs.daemon is not None and procs.daemon.poll() is not None:
+        raise DemoError(f"slicerd exited with {procs.daemon.returncode} during the run")
+    for name, p in procs.children.items():
+        if (names is None or name in names) and p.poll() is not None:
+            raise DemoError(
+                f"{name} exited with {p.returncode} during the run; its log ends:"
+                + log_tail(base / f"{name}.log")
+            )
+
+
+async def reap(p: subprocess.Popen[bytes], grace: float) -> int:
+    """Wait `grace` seconds for `p`, then SIGKILL it; its exit status."""
+    with trio.move_on_after(grace):
+        while p.poll() is None:
+            await trio.sleep(0.05)
+    if p.poll() is None:
+        p.kill()
+        p.wait(timeout=10)
+    return p.returncode
+
+
+async def stop(p: subprocess.Popen[bytes], grace: float = CHILD_GRACE_S) -> int:
+    """SIGTERM `p` (when still running), SIGKILL after `grace`; its exit status."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    return await reap(p, grace)
+
+
+def end_all(procs: Procs) -> None:
+    """Synchronous last resort: end every child and every process of their groups."""
+    for p in procs.all():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + CHILD_GRACE_S
+    for p in procs.all():
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+    # Grandchildren (cuda-checkpoint runs of slicerd, vLLM under the launcher) live in
+    # their leader's group; the tool is never killed mid-operation by slicerd, so give
+    # the groups a while to finish first.
+    deadline = time.monotonic() + GROUP_GRACE_S
+    for pgid in [p.pid for p in procs.all()]:
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still exists."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+async def on_signal(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """SIGTERM or SIGHUP ends the run like Ctrl-C does (trio turns SIGINT into
+    KeyboardInterrupt): through the cleanup, never leaving children behind."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+        task_status.started()
+        async for signum in signals:
+            raise Interrupted(signum)
+
+
+def only(e: BaseException) -> BaseException:
+    """The one exception inside `e` (trio wraps what a nursery raises in groups)."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return e
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ignore SIGINT, SIGTERM and SIGHUP while the (bounded) cleanup ends our children."""
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
+def print_log_tail(log: Path) -> None:
+    """The end of `log` on stderr, for a failed run."""
+    if log.exists():
+        print(f"---- {log.name} (tail) ----", file=sys.stderr)
+        print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
