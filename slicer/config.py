@@ -7,6 +7,7 @@ values are refused with a message naming the key, so a typo never silently chang
 from __future__ import annotations
 
 import dataclasses
+import grp
 import os
 import tomllib
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ class Config:
     socket: str = DEFAULT_SOCKET
     socket_mode: int = 0o660
     socket_group: str | None = None
+    allow_group: str | None = None
     state_dir: str = "/var/lib/slicer"
     gpu_backend: str = "nvml"
     cuda_checkpoint: str = "cuda-checkpoint"
@@ -54,6 +56,13 @@ class Config:
             raise ConfigError(f"foreign must be block or ignore, got {self.foreign!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level must be debug, info, warning or error")
+        for key in ("socket_group", "allow_group"):
+            group = getattr(self, key)
+            if group is not None:
+                try:
+                    grp.getgrnam(group)
+                except KeyError:
+                    raise ConfigError(f"{key}: no group named {group!r}") from None
         if not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(f"socket_mode must be an octal mode, got {self.socket_mode:o}")
         return self

@@ -78,6 +78,7 @@ async def _watchdog(every: float) -> None:
 @click.option("--socket", help="Unix socket path (env SLICER_SOCKET).")
 @click.option("--socket-mode", help="Octal socket mode, e.g. 660.")
 @click.option("--socket-group", help="Group owning the socket.")
+@click.option("--allow-group", help="Members may take turns of any workload.")
 @click.option("--state-dir", help="Directory for the restart journal.")
 @click.option("--gpu-backend", type=click.Choice(["nvml", "fake"]))
 @click.option("--cuda-checkpoint", help="Path of the cuda-checkpoint executable.")

@@ -169,3 +169,6 @@ class Conn:
     uid: int
     pid: int
     waiting_on: int | None = None
+    # In config `allow_group`: may take turns of any workload (never register others'
+    # processes, which stays root's or the owner's right).
+    trusted: bool = False

@@ -46,6 +46,18 @@ def owner_uid(pid: int) -> int | None:
     return None
 
 
+def groups(pid: int) -> set[int]:
+    """The supplementary group ids of process `pid` (empty when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass
+    return set()
+
+
 def alive(ident: Ident) -> bool:
     """True while the process named by (pid, start time) lives."""
     return start_time(ident[0]) == ident[1]

@@ -8,6 +8,7 @@ one GPU never waiting for another; verification reads the GPU backend inline.
 
 from __future__ import annotations
 
+import grp
 import itertools
 import logging
 import os
@@ -180,6 +181,7 @@ class Server:
         self._nursery: trio.Nursery | None = None
         self._rechecks: set[Recheck] = set()
         self.started = time.monotonic()
+        self._allow_gid = grp.getgrnam(cfg.allow_group).gr_gid if cfg.allow_group else None
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -229,7 +231,7 @@ class Server:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         try:
-            pid, uid, _gid = peer_credentials(stream.socket)
+            pid, uid, gid = peer_credentials(stream.socket)
         except OSError:
             await stream.aclose()
             return
@@ -241,7 +243,7 @@ class Server:
             return
         conn = Connection(next(self._ids), stream, pid, uid)
         self.conns[conn.cid] = conn
-        self.sm.connect(conn.cid, uid, pid)
+        self.sm.connect(conn.cid, uid, pid, trusted=self._in_allow_group(pid, gid))
         flush = False
         try:
             async with trio.open_nursery() as n:
@@ -266,6 +268,11 @@ class Server:
                 log.exception("closing connection %d failed", conn.cid)
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await stream.aclose()
+
+    def _in_allow_group(self, pid: int, gid: int) -> bool:
+        if self._allow_gid is None:
+            return False
+        return gid == self._allow_gid or self._allow_gid in procs.groups(pid)
 
     @staticmethod
     async def _linger(stream: trio.SocketStream) -> None:

@@ -103,9 +103,10 @@ class SlicerState:
 
     # ---- connections -----------------------------------------------------------------
 
-    def connect(self, conn: ConnId, uid: int, pid: int) -> None:
-        """Record a new connection and its peer credentials."""
-        self.conns[conn] = Conn(uid=uid, pid=pid)
+    def connect(self, conn: ConnId, uid: int, pid: int, trusted: bool = False) -> None:
+        """Record a new connection and its peer credentials (`trusted`: its peer is in
+        the configured `allow_group`)."""
+        self.conns[conn] = Conn(uid=uid, pid=pid, trusted=trusted)
 
     def conn_closed(self, conn: ConnId, now: float) -> list[Effect]:
         """A connection closed: drop its wait, end its turn, end its registrations."""
@@ -202,7 +203,7 @@ class SlicerState:
         w = self.registered.get(name)
         if w is None:
             raise errors.UnknownWorkload(f"no workload {name}")
-        if peer.uid != 0 and peer.uid != w.owner_uid:
+        if not self._may_use(peer, w):
             raise errors.Forbidden(f"uid {peer.uid} may not use workload {name}")
         if w.state is WState.FAULTED:
             raise errors.Faulted(f"workload {name} is faulted: {w.fault_reason}")
@@ -492,6 +493,13 @@ class SlicerState:
         return {"gpus": gpus, "workloads": workloads, "totals": dict(self.totals)}
 
     # ---- internals -------------------------------------------------------------------
+
+    def _may_use(self, peer: Conn, w: Workload) -> bool:
+        # Root, the allowed group, the processes' owner, or the uid that registered it.
+        if peer.uid == 0 or peer.trusted or peer.uid == w.owner_uid:
+            return True
+        registrant = self.conns.get(w.registrant) if w.registrant is not None else None
+        return registrant is not None and registrant.uid == peer.uid
 
     def _find_orphan(self, name: str, proc: ProcessInfo) -> Workload | None:
         for w in self.orphans.values():

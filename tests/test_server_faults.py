@@ -357,3 +357,37 @@ async def test_a_workload_exiting_during_its_park_is_not_a_fault() -> None:
             await reg_a.aclose()
             await reg_b.aclose()
             assert stack.overlaps() == 0
+
+
+@pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason="needs /usr/bin/python3")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as nobody")
+async def test_allow_group_lets_members_take_turns_but_not_register_others() -> None:
+    import grp
+
+    group = grp.getgrgid(65534).gr_name  # nobody's group ("nogroup" on Debian)
+    with trio.fail_after(60):
+        async with running_stack("--socket-mode", "666", "--allow-group", group) as stack:
+            root_pid = stack.sleeper()
+            async with await stack.client() as reg:
+                await reg.register("rootjob", pid=root_pid)
+                out = subprocess.run(
+                    [
+                        SYSTEM_PYTHON,
+                        "-c",
+                        UNPRIVILEGED,
+                        stack.socket,
+                        f"REGISTER stolen pid={root_pid}",
+                        "ACQUIRE rootjob",
+                        "RELEASE rootjob turn=1",
+                    ],
+                    user=65534,
+                    group=65534,
+                    capture_output=True,
+                    timeout=30,
+                    check=True,
+                ).stdout.decode()
+                lines = out.splitlines()
+                assert lines[0].startswith("ERR forbidden")
+                assert lines[1].startswith("OK turn=1")
+                assert lines[2].startswith("OK parked=0")
+            assert stack.overlaps() == 0
