@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck unit verify-units bench clean
+.PHONY: test demo lint typecheck unit verify-units bench clean soak
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,8 +34,29 @@ test: verify-units lint typecheck unit
 demo: $(STAMP)
 	$(BIN)/python -m slicer.demo
 
+# The handoff micro-benchmark, then the share-efficiency scenarios and levers; regenerates
+# BENCHMARKS.md and bench/efficiency.png (bench/gpu_check.md, written by bench/gpu_check.sh
+# on a GPU machine, is included when present).
 bench: $(STAMP)
-	$(BIN)/python bench/handoff.py
+	@out=$$(mktemp); trap 'rm -f "$$out"' EXIT; \
+	$(BIN)/python bench/handoff.py >"$$out" || { cat "$$out"; exit 1; }; \
+	cat "$$out"; \
+	$(BIN)/python bench/efficiency.py --handoff-output "$$out" --gpu-check bench/gpu_check.md \
+		--markdown BENCHMARKS.md --png bench/efficiency.png
+
+# Randomized chaos scenarios (tests/chaos) for MINUTES; a summary table; exit 1 on any
+# invariant violation. One JSON report per scenario in /tmp/soak-SEED.jsonl.
+SEED ?= 1
+MINUTES ?= 20
+soak: $(STAMP)
+	PYTHONPATH=. $(BIN)/python -m tests.chaos.soak --seed $(SEED) --minutes $(MINUTES) \
+		--jsonl /tmp/soak-$(SEED).jsonl
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+
+# Load: 1,000 connections, 200 workloads over 8 fake GPUs, 100,000 ACQUIRE/RELEASE cycles
+# (bench/load.py; about 10 minutes on 2 cores).
+.PHONY: bench-load
+bench-load: $(STAMP)
+	$(BIN)/python bench/load.py

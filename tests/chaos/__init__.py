@@ -1,0 +1,1 @@
+"""Chaos scenarios: the whole stack under seeded random faults (see `runner`)."""
