@@ -423,14 +423,21 @@ class Store:
         """Fail ``id`` with ``error``; False (ignored) if it has a result already."""
         return self._finish(id, "failed", None, error)
 
-    def get(self, id: str) -> Result:
-        """The status and result of sample ``id``; :class:`NotFound` if unknown."""
+    def get(self, id: str, now: float | None = None) -> Result:
+        """The status and result of sample ``id`` (at wall time ``now``, default the
+        current time); :class:`NotFound` if unknown."""
         row = self._con.execute(
             "SELECT status, body, error, revision, pool FROM sample WHERE id = ?", (id,)
         ).fetchone()
         if row is None:
             raise NotFound(f"no sample {id!r}")
         status, body, error, rev, pool = row
+        p = self._pending.get(id) if status == "pending" else None
+        now = time.time() if now is None else now
+        if p is not None and p.deadline <= now:
+            # Past its deadline it has failed, even while the durable update cannot be
+            # written yet (a full disk): expire() keeps retrying that write.
+            return Result(id, "failed", None, self.deadline_error(p, now), rev, pool)
         return Result(id, status, None if body is None else json.loads(body), error, rev, pool)
 
     def expire(self, now: float) -> list[Pending]:

@@ -38,7 +38,7 @@ def test_journal_before_ack_survives_reopen(tmp_path: Path) -> None:
         assert isinstance(got[0].prompt, array.array) and list(got[0].prompt) == [1, 2, 3]
         assert got[1].messages == c.messages and got[1].kind == "chat"
         assert got[2].prompt == b"hello"
-        assert again.get(p.id).status == "pending"
+        assert again.get(p.id, now=100.0).status == "pending"
         assert again.pending_token_bytes() == (3, 12)
     with Store(tmp_path, "pool-b") as other:  # another pool's requests are not its work
         assert other.pending() == []
