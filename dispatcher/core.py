@@ -13,9 +13,36 @@ a result counts only if
 * the replica still has ``p.revision`` loaded;
 * the replica's epoch is unchanged since the send: the turn loop bumps the epoch on
   every sleep, load and recovery, so a request that straddled one (say a sleep with
-  ``mode=abort`` that cut it short with HTTP 200) is not committed.
+  ``mode=abort`` that cut it short with HTTP 200) is not committed;
+* no choice ended with ``finish_reason: "abort"`` and there are as many choices as
+  the request's ``n`` (:func:`result_ok`).
 
 Otherwise the request stays pending and is sent again later.
+
+Two ways to check the weights (``slicer-dispatch --weight-check``):
+
+``spans`` (the default; vLLM 0.33 and later)
+    The per-choice ``weight_versions`` spans above: vLLM itself vouches, token range by
+    token range, for the weights each choice was generated with.
+``label`` (vLLM releases that ignore ``return_weight_versions``, such as 0.32)
+    Such a vLLM returns no ``weight_versions`` at all, so the spans rule would refuse
+    every result. Instead, after the response arrives the sender reads the served
+    label once (``GET /weight_info``) and passes it as ``label``: the result counts only
+    if that label is ``p.revision``, along with the loaded-revision, epoch, abort and
+    ``n`` conditions; spans, if any, are ignored. This is weaker than the spans:
+
+    - it samples the label once, *after* the request: a weight change that happened
+      during the request and was undone before the check (A -> B -> A) is invisible;
+    - it trusts that nobody but this dispatcher loads weights into the replica while it
+      holds the turn: the epoch counts only this dispatcher's own sleeps, loads and
+      recoveries, and the label only says which label was last set, not which weights
+      served the tokens;
+    - it relies on loads never running under a send, which :mod:`dispatcher.serve`
+      guarantees (a load starts only with no send in flight, and a send is in flight
+      until its ``/weight_info`` check is done).
+
+    A failed ``/weight_info`` call is no evidence either way: the request stays pending
+    like after a failed send.
 """
 
 from __future__ import annotations
@@ -35,6 +62,7 @@ __all__ = [
     "KINDS",
     "MAX_N",
     "MAX_PARAMS_BYTES",
+    "WEIGHT_CHECKS",
     "ParsedBody",
     "TurnPlan",
     "commit_ok",
@@ -47,6 +75,7 @@ __all__ = [
 ]
 
 KINDS = ("completion", "chat")
+WEIGHT_CHECKS = ("spans", "label")  # --weight-check: see "Two ways" above
 MAX_N = 16
 MAX_PARAMS_BYTES = 1 << 20
 _MAX_TOKEN_ID = (1 << 31) - 1
@@ -234,12 +263,20 @@ def commit_ok(
     loaded_revision: str,
     epoch_at_send: int,
     epoch_now: int,
+    label: str | None = None,
 ) -> bool:
-    """The commit rule (module docstring): may this response be stored as ``p``'s result?"""
+    """The commit rule (module docstring): may this response be stored as ``p``'s result?
+
+    ``label`` None checks the spans (``--weight-check spans``); a string is the label
+    ``GET /weight_info`` gave after the response (``--weight-check label``), checked
+    instead of the spans, which are then ignored.
+    """
     if epoch_at_send != epoch_now or loaded_revision != p.revision:
         return False
     if not choice_weight_versions:
         return False
+    if label is not None:
+        return label == p.revision
     for spans in choice_weight_versions:
         # No spans means vLLM could not vouch for the weights: never commit on trust.
         if not spans:
@@ -250,9 +287,15 @@ def commit_ok(
 
 
 def result_ok(
-    p: Pending, body: dict[str, Any], loaded_revision: str, epoch_at_send: int, epoch_now: int
+    p: Pending,
+    body: dict[str, Any],
+    loaded_revision: str,
+    epoch_at_send: int,
+    epoch_now: int,
+    label: str | None = None,
 ) -> bool:
-    """:func:`commit_ok` on a whole vLLM response, also refusing aborted choices.
+    """:func:`commit_ok` on a whole vLLM response, also refusing aborted choices and a
+    wrong number of choices (``label`` as for :func:`commit_ok`).
 
     A sleep or pause with ``mode=abort`` ends a request with HTTP 200 and
     ``finish_reason: "abort"`` (partial text): never a result, whatever the epoch says.
@@ -265,7 +308,7 @@ def result_ok(
     wanted = p.params.get("n") or 1
     if len(choices) != wanted:
         return False
-    return commit_ok(p, weight_versions(body), loaded_revision, epoch_at_send, epoch_now)
+    return commit_ok(p, weight_versions(body), loaded_revision, epoch_at_send, epoch_now, label)
 
 
 def next_revision(store_pending_revisions: list[str], loaded: str | None) -> str | None:

@@ -5,11 +5,12 @@ Routes
 ``POST /v1/completions``, ``POST /v1/chat/completions``
     The request is validated, journaled, and the call waits (bounded by the request's
     deadline) for its result, which is vLLM's own response body (with each choice's
-    ``weight_versions``). The response carries ``x-sample-id``: a client that lost the
-    connection fetches the result with ``GET /v1/samples/{id}``. ``stream: true``
-    returns Server-Sent Events, but results are produced whole inside a turn, so the
-    stream is ``: waiting`` comments every 15 s while pending, then one chunk per choice
-    holding its whole text (``delta`` for chat), then ``data: [DONE]``.
+    ``weight_versions`` where vLLM returns them: 0.33 and later). The response carries
+    ``x-sample-id``: a client that lost the connection fetches the result with
+    ``GET /v1/samples/{id}``. ``stream: true`` returns Server-Sent Events, but results
+    are produced whole inside a turn, so the stream is ``: waiting`` comments every 15 s
+    while pending, then one chunk per choice holding its whole text (``delta`` for
+    chat), then ``data: [DONE]``.
 ``POST /v1/samples``
     The same body plus ``"kind": "completion" | "chat"`` (default: "chat" when the body
     has ``messages``, else "completion"). Answers 202 ``{"id", "status": "pending"}``

@@ -2,6 +2,17 @@
 
     slicer-dispatch --workload sampler --replica http://127.0.0.1:8000 \\
         [--socket S] [--state-dir D] [--pool NAME] [--listen HOST:PORT | --listen-unix PATH]
+        [--weight-check spans|label]
+
+``--weight-check`` says how a result is tied to the weights it asked for (the commit
+rule in :mod:`dispatcher.core`): ``spans`` (default) needs vLLM 0.33 or later, which
+returns per-choice ``weight_versions``; ``label`` is for vLLM releases that ignore
+``return_weight_versions`` (such as 0.32): after each response the dispatcher reads
+``GET /weight_info`` once and commits only if it names the request's revision. The label
+check is weaker (a weight change undone during a request goes unseen, and it trusts that
+nothing else loads weights into the replica during a turn). With ``spans`` against a vLLM
+that returns no ``weight_versions`` nothing is ever committed; the dispatcher logs one
+error saying so and ``/status`` shows the rule in use as ``weight_check``.
 
 SIGTERM/SIGINT: stop accepting, end a held turn (sleep vLLM, RELEASE, both bounded),
 exit 0. Prints ``listening on ...`` to stderr once the front is bound.
@@ -19,6 +30,7 @@ from pathlib import Path
 import click
 import trio
 
+from dispatcher.core import WEIGHT_CHECKS
 from dispatcher.errors import DispatchError
 from dispatcher.http import build_app, serve_http
 from dispatcher.store import Store
@@ -68,6 +80,15 @@ def _bind(listen: str | None, listen_unix: str | None) -> str:
 @click.option("--turn-grace", type=float, default=10.0, show_default=True)
 @click.option("--sample-deadline", type=float, default=3600.0, show_default=True)
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option(
+    "--weight-check",
+    type=click.Choice(WEIGHT_CHECKS),
+    default="spans",
+    show_default=True,
+    help="how a result is tied to its revision's weights: 'spans' checks each choice's "
+    "weight_versions (vLLM >= 0.33); 'label' checks GET /weight_info after each response, "
+    "for vLLM releases that ignore return_weight_versions (e.g. 0.32; a weaker check)",
+)
 @click.option("--log-level", default="info", show_default=True)
 def main(
     workload: str,
@@ -82,6 +103,7 @@ def main(
     turn_grace: float,
     sample_deadline: float,
     concurrency: int,
+    weight_check: str,
     log_level: str,
 ) -> None:
     """Hold sampling requests durably and serve them in the replica's GPU turns."""
@@ -101,7 +123,9 @@ def main(
         turn_grace=turn_grace,
         sample_deadline=sample_deadline,
         concurrency=concurrency,
+        weight_check=weight_check,
     )
+    log.info("weight check: %s", weight_check)
     try:
         store = Store(state_dir, pool or workload)
     except DispatchError as e:

@@ -14,6 +14,8 @@ Inside a turn (:meth:`Serving._serve`)::
            _fill(): send pending requests of it    <= concurrency at once, each bounded
                                                    by its deadline
            _judge(): commit only if core.result_ok
+                                                   (--weight-check label: after one
+                                                   bounded GET /weight_info)
            until nothing is pending, or WAITING was seen and turn_seconds passed since
            serving began, or the replica failed
     grace  sends in flight get turn_grace, then are cancelled (they stay pending)
@@ -21,6 +23,17 @@ Inside a turn (:meth:`Serving._serve`)::
 A rejected or failed send is retried after ``RETRY_AFTER_S``; vLLM's own 400/422 fails
 the request for good (retrying cannot help); a 5xx or no answer marks the replica failed,
 which ends the turn (and the next one starts with a recovery).
+
+``TurnConfig.weight_check`` picks how the weights of a result are checked (see
+:mod:`dispatcher.core`): ``"spans"`` reads each choice's ``weight_versions`` (vLLM 0.33
+and later); ``"label"`` (vLLM releases that ignore ``return_weight_versions``, such as
+0.32) makes the sender read ``GET /weight_info`` once after the response, *while the
+send still counts as in flight*, so no load can run between the response and the check.
+A failed ``/weight_info`` call counts as a failed send (the request stays pending; a 5xx
+or no answer marks the replica failed), never as a refusal of the request. The response
+body is stored as vLLM returned it either way. In ``"spans"`` mode a response with no
+``weight_versions`` in any choice is logged once per loop as an error naming the likely
+cause (a vLLM older than 0.33) and the fix (``--weight-check label``).
 """
 
 from __future__ import annotations
@@ -33,18 +46,37 @@ from typing import Any
 
 import trio
 
-from dispatcher.core import TurnPlan, next_revision, request_body, result_ok, weight_versions
+from dispatcher.core import (
+    WEIGHT_CHECKS,
+    TurnPlan,
+    next_revision,
+    request_body,
+    result_ok,
+    weight_versions,
+)
 from dispatcher.errors import NotFound, ReplicaError
 from dispatcher.store import Pending, Store
-from dispatcher.vllm import Replica
+from dispatcher.vllm import CONTROL_TIMEOUT_S, Replica
 from slicer.client import Turn
 
-__all__ = ["RETRY_AFTER_S", "Counters", "Serving", "TurnConfig", "TurnState"]
+__all__ = [
+    "NO_WEIGHT_VERSIONS_ERROR",
+    "RETRY_AFTER_S",
+    "Counters",
+    "Serving",
+    "TurnConfig",
+    "TurnState",
+]
 
 log = logging.getLogger("dispatcher.serve")
 
 RETRY_AFTER_S = 1.0  # a rejected or failed send is tried again after this
 _PERMANENT = (400, 422)  # vLLM refused the request itself: retrying cannot help
+NO_WEIGHT_VERSIONS_ERROR = (
+    "replica returned no weight_versions: vLLM older than 0.33 ignores "
+    "return_weight_versions, so no result can be committed; start slicer-dispatch with "
+    "--weight-check label"
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +94,13 @@ class TurnConfig:
     wake_timeout: float = 300.0
     load_timeout: float = 1800.0
     sleep_timeout: float = 300.0
+    weight_check: str = "spans"  # one of core.WEIGHT_CHECKS
+
+    def __post_init__(self) -> None:
+        if self.weight_check not in WEIGHT_CHECKS:
+            raise ValueError(
+                f"weight_check must be one of {WEIGHT_CHECKS}, got {self.weight_check!r}"
+            )
 
 
 @dataclass
@@ -89,8 +128,10 @@ class TurnState:
     replica_failed: str | None = None
 
 
-def _reject_reason(body: dict[str, Any], p: Pending, epoch_at_send: int, epoch_now: int) -> str:
-    """Why :func:`core.result_ok` refused ``body`` (a metrics label)."""
+def _reject_reason(
+    body: dict[str, Any], p: Pending, epoch_at_send: int, epoch_now: int, label: str | None = None
+) -> str:
+    """Why :func:`core.result_ok` refused ``body`` (a metrics label); ``label`` as there."""
     choices = body.get("choices")
     if not isinstance(choices, list) or len(choices) != (p.params.get("n") or 1):
         return "choices"
@@ -98,9 +139,18 @@ def _reject_reason(body: dict[str, Any], p: Pending, epoch_at_send: int, epoch_n
         return "aborted"
     if epoch_at_send != epoch_now:
         return "epoch"
+    if label is not None:
+        return "weight_label"  # the label, or the revision loaded, is another one
     if any(not spans for spans in weight_versions(body)):
         return "no_weight_versions"
     return "weight_version"
+
+
+def _no_weight_versions_at_all(body: dict[str, Any]) -> bool:
+    """Whether ``body`` has choices but none carries ``weight_versions`` (a vLLM that
+    ignores ``return_weight_versions``)."""
+    spans = weight_versions(body)
+    return bool(spans) and not any(spans)
 
 
 class Serving:
@@ -118,6 +168,7 @@ class Serving:
         self._in_flight: dict[str, trio.CancelScope] = {}
         self._retry_at: dict[str, float] = {}
         self._current: TurnState | None = None
+        self._told_no_weight_versions = False  # the error is logged once per loop
 
     # -- plumbing --------------------------------------------------------------------
 
@@ -246,28 +297,50 @@ class Serving:
                 except ReplicaError as e:
                     self._send_failed(p, e)
                     return
-                self._judge(p, answer, epoch)
+                label: str | None = None
+                if self.cfg.weight_check == "label" and self.store.is_pending(p.id):
+                    # Still in flight (no load can start): read the served label once.
+                    bound = min(CONTROL_TIMEOUT_S, max(1.0, p.deadline - time.time()))
+                    try:
+                        label = await self.replica.weight_version(bound)
+                    except ReplicaError as e:
+                        self._send_failed(p, e, refusal=False)
+                        return
+                self._judge(p, answer, epoch, label)
         finally:
             self._in_flight.pop(p.id, None)
             self._signal()
 
-    def _judge(self, p: Pending, answer: dict[str, Any], epoch: int) -> None:
+    def _judge(self, p: Pending, answer: dict[str, Any], epoch: int, label: str | None) -> None:
+        """Commit ``answer`` as ``p``'s result if core.result_ok says so (``label``: the
+        ``/weight_info`` label read after it in label mode, else None)."""
         if not self.store.is_pending(p.id):
             return
         loaded = self.replica.known_version or ""
-        if result_ok(p, answer, loaded, epoch, self.replica.epoch):
-            self.store.complete(p.id, answer)
+        if result_ok(p, answer, loaded, epoch, self.replica.epoch, label):
+            self.store.complete(p.id, answer)  # as vLLM returned it
             self.counters.commits += 1
             self._done(p.id)
             return
-        reason = _reject_reason(answer, p, epoch, self.replica.epoch)
+        reason = _reject_reason(answer, p, epoch, self.replica.epoch, label)
         self.counters.rejects[reason] += 1
         self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
+        if (
+            label is None
+            and reason == "no_weight_versions"
+            and _no_weight_versions_at_all(answer)
+            and not self._told_no_weight_versions
+        ):
+            self._told_no_weight_versions = True
+            log.error("%s", NO_WEIGHT_VERSIONS_ERROR)
         log.warning("%s (revision %s): result not committed (%s); stays pending", p.id,
                     p.revision, reason)  # fmt: skip
 
-    def _send_failed(self, p: Pending, e: ReplicaError) -> None:
-        if e.status in _PERMANENT and self.store.is_pending(p.id):
+    def _send_failed(self, p: Pending, e: ReplicaError, *, refusal: bool = True) -> None:
+        """A send (or, ``refusal`` False, its ``/weight_info`` check) failed: retry it
+        later, marking the replica failed on a 5xx or no answer. With ``refusal`` vLLM's
+        400/422 fails the request for good; a failed check never does."""
+        if refusal and e.status in _PERMANENT and self.store.is_pending(p.id):
             self.counters.refused_by_replica += 1
             self.store.fail(p.id, f"refused by the replica (HTTP {e.status}): {e}")
             self._done(p.id)

@@ -18,6 +18,8 @@ A turn, while anything is pending (each phase is logged with its duration)::
            load(revision) as a whole              <= load_timeout, only with no send in flight
            send pending requests of it            <= concurrency at once, each bounded by
                                                      its deadline, committed by result_ok
+                                                     (--weight-check label: after one
+                                                     bounded GET /weight_info)
            until nothing is pending, or WAITING was seen and turn_seconds passed since
            serving began, or the replica failed
     grace      sends in flight get turn_grace, then are cancelled (they stay pending)
@@ -127,6 +129,7 @@ class TurnLoop(Serving):
             "pool": self.store.pool,
             "workload": self.cfg.workload,
             "replica": self.replica.base_url,
+            "weight_check": self.cfg.weight_check,
             "loaded_revision": self.replica.known_version,
             "newest_revision": newest.name if newest else None,
             "state": self.state,

@@ -91,12 +91,23 @@ class Replica:
         *,
         json_body: Any = None,
         params: dict[str, Any] | None = None,
+        keep_alive: bool = False,
     ) -> httpx.Response:
-        """Send one request bounded by ``timeout`` s; a non-2xx answer raises."""
+        """Send one request bounded by ``timeout`` s; a non-2xx answer raises.
+
+        Control calls go out with ``Connection: close``: real vLLM (uvicorn) resets the
+        connection after a 500 from an unhandled error, such as the bare
+        ``finish_weight_update`` every recovery sends, and the next call that reused the
+        pooled connection would fail with a connection reset. They are a few per turn;
+        only generation requests (``keep_alive``) reuse connections.
+        """
         what = f"{method} {self.base_url}{path}"
+        headers = None if keep_alive else {"Connection": "close"}
         try:
             with trio.fail_after(timeout):
-                resp = await self._client.request(method, path, json=json_body, params=params)
+                resp = await self._client.request(
+                    method, path, json=json_body, params=params, headers=headers
+                )
         except trio.TooSlowError:
             raise ReplicaError(f"{what}: no answer within {timeout:g} s") from None
         except httpx.HTTPError as exc:
@@ -239,4 +250,4 @@ class Replica:
         path = _PATHS.get(kind)
         if path is None:
             raise ValueError(f"kind must be one of {tuple(_PATHS)}, got {kind!r}")
-        return await self._json("POST", path, timeout, json_body=body)
+        return await self._json("POST", path, timeout, json_body=body, keep_alive=True)

@@ -11,13 +11,17 @@ When run under `slicer-launch` it is not the registrant and only takes turns.
 
 With `--revisions-dir DIR` each step, once its turn is released, saves its "weights" as
 DIR/rev-K/revision.txt (K = 1, 2, ...); with `--publish-url URL` too, it publishes them to
-a dispatcher (POST URL/v1/revisions) and exits 1 when that fails.
+a dispatcher (POST URL/v1/revisions) and exits 1 when that fails. With `--weights-from SRC`
+too, DIR/rev-K is a copy of the checkpoint directory SRC/rev-K (real weights, for a real
+vLLM's reload_weights), made in a temporary directory and renamed into place, so a
+published path is always a whole checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -42,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--revisions-dir", type=Path, help="save DIR/rev-K/revision.txt each step")
     p.add_argument("--publish-url", help="dispatcher base URL: POST /v1/revisions each step")
     p.add_argument(
+        "--weights-from", type=Path, help="publish copies of the checkpoint dirs SRC/rev-K"
+    )
+    p.add_argument(
         "--pause",
         type=float,
         default=0.0,
@@ -61,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         help="where the working set lives: the fake GPU ledger, or a real CUDA tensor (torch)",
     )
     args = p.parse_args(argv)
-    if args.publish_url and not args.revisions_dir:
-        p.error("--publish-url needs --revisions-dir")
+    if (args.publish_url or args.weights_from) and not args.revisions_dir:
+        p.error("--publish-url and --weights-from need --revisions-dir")
     nbytes = parse_size(args.bytes)
     if args.device == "cuda":
         return _cuda_main(args, nbytes)
@@ -84,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.park == "cooperative":
                         ledger.free(pid)
                 if args.revisions_dir is not None:
-                    _publish(args.revisions_dir, f"rev-{step + 1}", args.publish_url)
+                    _publish(args, f"rev-{step + 1}")
                 if args.pause > 0 and step + 1 < args.steps:
                     time.sleep(args.pause)
     except Faulted as e:
@@ -116,7 +123,7 @@ def _cuda_main(args: argparse.Namespace, nbytes: int) -> int:
                         held.clear()
                         torch.cuda.empty_cache()
                 if args.revisions_dir is not None:
-                    _publish(args.revisions_dir, f"rev-{step + 1}", args.publish_url)
+                    _publish(args, f"rev-{step + 1}")
                 if args.pause > 0 and step + 1 < args.steps:
                     time.sleep(args.pause)
     except Faulted as e:
@@ -136,13 +143,27 @@ class PublishError(Exception):
     """Saving or publishing a revision failed."""
 
 
-def _publish(root: Path, revision: str, url: str | None) -> None:
-    """Save `revision` (DIR/revision.txt, written atomically) and POST it to `url`."""
+def _publish(args: argparse.Namespace, revision: str) -> None:
+    """Save `revision` under --revisions-dir (a copy of --weights-from's checkpoint, or
+    just revision.txt; whole or not at all) and POST it to --publish-url."""
+    root: Path = args.revisions_dir
+    url: str | None = args.publish_url
     path = root / revision
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "revision.txt.tmp"
-    tmp.write_text(revision)
-    tmp.replace(path / "revision.txt")
+    if args.weights_from is not None:
+        src = args.weights_from / revision
+        tmp_dir = root / f".{revision}.tmp"
+        try:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            shutil.copytree(src, tmp_dir)
+            (tmp_dir / "revision.txt").write_text(revision)
+            tmp_dir.replace(path)
+        except OSError as e:
+            raise PublishError(f"saving {revision} from {src}: {e}") from e
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / "revision.txt.tmp"
+        tmp.write_text(revision)
+        tmp.replace(path / "revision.txt")
     if url is None:
         print(f"saved {revision} in {path}", flush=True)
         return

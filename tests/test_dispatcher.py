@@ -7,107 +7,22 @@ lines the processes print, process exits, all under `trio.fail_after`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 import trio
 
 from tests.harness import Stack, running_stack, workload
+from tests.procs import Proc, free_port, spawn
 
 pytestmark = pytest.mark.integration
-
-
-@dataclass
-class Proc:
-    """A child process whose stdout and stderr (merged) are read into `lines`."""
-
-    name: str
-    proc: trio.Process
-    lines: list[str] = field(default_factory=list)
-    changed: trio.Event = field(default_factory=trio.Event)
-    closed: bool = False
-
-    async def _read(self) -> None:
-        assert self.proc.stdout is not None
-        buf = b""
-        async for data in self.proc.stdout:
-            buf += data
-            *done, buf = buf.split(b"\n")
-            self.lines += [raw.decode(errors="replace") for raw in done]
-            self.changed.set()
-            self.changed = trio.Event()
-        self.closed = True
-        self.changed.set()
-
-    async def line(self, pred: Callable[[str], bool], start: int = 0) -> int:
-        """Index of the first output line from `start` satisfying `pred` (waits for it)."""
-        while True:
-            for i in range(start, len(self.lines)):
-                if pred(self.lines[i]):
-                    return i
-            assert not self.closed, f"{self.name} ended without the line:\n{self.output()}"
-            await self.changed.wait()
-
-    async def wait(self, timeout: float = 20) -> int:
-        """Its exit code, within `timeout`."""
-        with trio.fail_after(timeout):
-            return await self.proc.wait()
-
-    def output(self) -> str:
-        """Everything read so far (the tail)."""
-        return "\n".join(self.lines)[-6000:]
-
-
-@asynccontextmanager
-async def spawn(stack: Stack, name: str, argv: list[str]) -> AsyncIterator[Proc]:
-    """Start `argv` in its own session; kill its group on the way out."""
-    proc = await trio.lowlevel.open_process(
-        argv,
-        env=stack.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    p = Proc(name, proc)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(p._read)
-        try:
-            yield p
-        except BaseException:
-            print(f"---- {name} output ----\n{p.output()}")
-            raise
-        finally:
-            if proc.returncode is None:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    for child in psutil.Process(proc.pid).children(recursive=True):
-                        child.kill()
-                proc.kill()
-            with trio.move_on_after(10):
-                await proc.wait()
-                while not p.closed:
-                    await p.changed.wait()
-            nursery.cancel_scope.cancel()
-    assert proc.stdout is not None
-    await proc.stdout.aclose()
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def replica_argv(stack: Stack, port: int, park: str, *stub: str) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from dispatcher.core import (
+    WEIGHT_CHECKS,
     TurnPlan,
     commit_ok,
     next_revision,
@@ -103,6 +104,81 @@ _RESULT: list[tuple[str, dict[str, Any], int | None, bool]] = [
 @pytest.mark.parametrize(("case", "body", "n", "ok"), _RESULT, ids=[c[0] for c in _RESULT])
 def test_result_ok(case: str, body: dict[str, Any], n: int | None, ok: bool) -> None:
     assert result_ok(_pending(n=n), body, "r2", 1, 1) is ok
+
+
+def _bare(finish: str = "length") -> dict[str, Any]:
+    """A choice as vLLM 0.32 returns it: no ``weight_versions``."""
+    return {"index": 0, "text": "abcd", "finish_reason": finish}
+
+
+# --weight-check label: (case, body, n, label from /weight_info, loaded, epoch at send,
+# epoch now, ok). Spans are ignored in this mode, whatever they say.
+_LABEL: list[tuple[str, dict[str, Any], int | None, str, str, int, int, bool]] = [
+    ("ok without spans", _response(_bare()), None, "r2", "r2", 3, 3, True),
+    ("ok n=2 without spans", _response(_bare(), _bare()), 2, "r2", "r2", 3, 3, True),
+    ("spans ignored: wrong spans", _response(_choice("r1")), None, "r2", "r2", 3, 3, True),
+    ("spans ignored: right spans", _response(_choice("r2")), None, "r1", "r2", 3, 3, False),
+    ("label differs", _response(_bare()), None, "r1", "r2", 3, 3, False),
+    ("default label", _response(_bare()), None, "default", "r2", 0, 0, False),
+    ("epoch changed (slept)", _response(_bare()), None, "r2", "r2", 3, 4, False),
+    ("loaded is another revision", _response(_bare()), None, "r2", "r3", 3, 3, False),
+    ("aborted by a sleep", _response(_bare("abort")), None, "r2", "r2", 3, 3, False),
+    ("one of two aborted", _response(_bare(), _bare("abort")), 2, "r2", "r2", 3, 3, False),
+    ("n=2 but one choice", _response(_bare()), 2, "r2", "r2", 3, 3, False),
+    ("n=1 but two choices", _response(_bare(), _bare()), None, "r2", "r2", 3, 3, False),
+    ("no choices", _response(), None, "r2", "r2", 3, 3, False),
+    ("no choices key", {"error": "x"}, None, "r2", "r2", 3, 3, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "body", "n", "label", "loaded", "sent", "now", "ok"),
+    _LABEL,
+    ids=[c[0] for c in _LABEL],
+)
+def test_result_ok_label_mode(
+    case: str,
+    body: dict[str, Any],
+    n: int | None,
+    label: str,
+    loaded: str,
+    sent: int,
+    now: int,
+    ok: bool,
+) -> None:
+    assert result_ok(_pending(n=n), body, loaded, sent, now, label=label) is ok
+
+
+# (case, weight versions per choice, label, ok): commit_ok itself in label mode.
+_COMMIT_LABEL: list[tuple[str, list[list[dict[str, Any]]], str, bool]] = [
+    ("no spans, label right", [[]], "r2", True),
+    ("wrong spans, label right", [[_span("r1")], []], "r2", True),
+    ("right spans, label wrong", [[_span("r2")]], "r1", False),
+    ("no choices", [], "r2", False),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "versions", "label", "ok"), _COMMIT_LABEL, ids=[c[0] for c in _COMMIT_LABEL]
+)
+def test_commit_rule_label_mode(
+    case: str, versions: list[list[dict[str, Any]]], label: str, ok: bool
+) -> None:
+    assert commit_ok(_pending(), versions, "r2", 1, 1, label=label) is ok
+    assert commit_ok(_pending(), versions, "r2", 1, 2, label=label) is False  # epoch
+    assert commit_ok(_pending(), versions, "r3", 1, 1, label=label) is False  # loaded
+
+
+def test_spans_mode_refuses_a_vllm_without_weight_versions() -> None:
+    """vLLM 0.32 ignores return_weight_versions: the default rule commits none of it."""
+    body = _response(_bare())
+    assert result_ok(_pending(), body, "r2", 1, 1) is False
+    assert result_ok(_pending(), body, "r2", 1, 1, label=None) is False
+    assert result_ok(_pending(), body, "r2", 1, 1, label="r2") is True
+
+
+def test_weight_checks() -> None:
+    assert WEIGHT_CHECKS == ("spans", "label")
 
 
 def test_weight_versions_extraction() -> None:

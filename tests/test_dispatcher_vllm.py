@@ -1,15 +1,18 @@
 """The replica client against the VLLM_API.md contract (httpx.MockTransport), every call
-bounded in virtual time, and once against the real vLLM stub when it boots."""
+bounded in virtual time, once against the real vLLM stub when it boots, and the serving
+half of the turn loop over the same fake under both ``--weight-check`` rules."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,11 @@ import pytest
 import trio
 
 from dispatcher.errors import ReplicaError
+from dispatcher.serve import NO_WEIGHT_VERSIONS_ERROR, TurnConfig, TurnState
+from dispatcher.store import Store
+from dispatcher.turns import TurnLoop
 from dispatcher.vllm import Replica
+from slicer.client import Turn
 
 
 def _err(status: int, message: str) -> httpx.Response:
@@ -30,7 +37,12 @@ def _err(status: int, message: str) -> httpx.Response:
 
 
 class FakeVllm:
-    """The routes of VLLM_API.md with their status codes and bodies, in memory."""
+    """The routes of VLLM_API.md with their status codes and bodies, in memory.
+
+    ``weight_versions = False`` plays a vLLM that ignores ``return_weight_versions``
+    (0.32); ``on_complete`` runs as each completion arrives (another party relabelling
+    the replica, a broken ``/weight_info``); ``weight_info_error`` is that route's status.
+    """
 
     def __init__(self) -> None:
         self.asleep = False
@@ -39,11 +51,16 @@ class FakeVllm:
         self.loaded_path: str | None = None
         self.update_open = False
         self.fail_reload: str | None = None
+        self.weight_versions = True
+        self.weight_info_error: int | None = None
+        self.on_complete: Callable[[], None] | None = None
         self.calls: list[str] = []
+        self.connection: dict[str, set[str | None]] = {}  # path -> Connection headers seen
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         self.calls.append(f"{request.method} {path}")
+        self.connection.setdefault(path, set()).add(request.headers.get("connection"))
         body: Any = json.loads(request.content) if request.content else None
         q = request.url.params
         route = (request.method, path)
@@ -75,6 +92,8 @@ class FakeVllm:
         if route == ("POST", "/reset_prefix_cache"):
             return httpx.Response(200, json={"success": True})
         if route == ("GET", "/weight_info"):
+            if self.weight_info_error is not None:
+                return _err(self.weight_info_error, "weight_info broke")
             return httpx.Response(200, json={"weight_version": self.version})
         if route == ("POST", "/finish_weight_update"):
             if not self.update_open:
@@ -85,8 +104,10 @@ class FakeVllm:
             if not isinstance(body.get("max_tokens", 16), int):
                 return _err(400, "max_tokens must be an integer")
             choice = {"index": 0, "text": "ab", "finish_reason": "length"}
-            if body.get("return_weight_versions"):
+            if body.get("return_weight_versions") and self.weight_versions:
                 choice["weight_versions"] = [{"version": self.version, "start": 0, "end": 2}]
+            if self.on_complete is not None:
+                self.on_complete()
             return httpx.Response(200, json={"object": "text_completion", "choices": [choice]})
         return httpx.Response(404, json={"detail": "Not Found"})
 
@@ -121,6 +142,11 @@ async def test_turn_cycle(fake: FakeVllm) -> None:
         assert r.known_version == "r1"  # level 1 keeps the weights
         await r.sleep(level=2, mode="wait")
         assert r.known_version is None
+        # Real vLLM resets a connection after an unhandled 500 (the bare finish of every
+        # recovery): control calls never reuse one; only generations keep theirs.
+        gen = ("/v1/completions", "/v1/chat/completions")
+        assert {p for p, h in fake.connection.items() if h != {"close"}} == set(gen)
+        assert all(fake.connection[p] == {"keep-alive"} for p in gen), fake.connection
 
 
 async def test_recover_resumes_and_closes_an_open_update(fake: FakeVllm) -> None:
@@ -242,6 +268,151 @@ async def test_load_is_bounded_as_a_whole(autojump_clock: Any) -> None:
             await r.load("r1", "/ckpt/r1", timeout=1000)
         assert trio.current_time() - start == pytest.approx(1000)
         assert r.known_version is None
+
+
+# -- serving under both --weight-check rules -------------------------------------------
+
+
+@asynccontextmanager
+async def _loop(tmp_path: Path, fake: FakeVllm, weight_check: str) -> AsyncIterator[TurnLoop]:
+    """A turn loop (never run: tests drive its serving half) over ``fake``, holding a
+    turn, with revision r1 published."""
+    store = Store(tmp_path / "state", "pool-a")
+    try:
+        async with Replica("http://vllm", transport=httpx.MockTransport(fake)) as r:
+            cfg = TurnConfig(workload="v", turn_seconds=5, weight_check=weight_check)
+            loop = TurnLoop(store, r, cfg)
+            loop.publish("r1", "/ckpt/r1")
+            loop._current = TurnState(Turn("v", 1, False, 0))
+            yield loop
+    finally:
+        store.close()
+
+
+def _choices(loop: TurnLoop, id: str) -> list[dict[str, Any]]:
+    result = loop.store.get(id)
+    assert result.status == "done" and result.body is not None
+    choices: list[dict[str, Any]] = result.body["choices"]
+    return choices
+
+
+async def test_label_mode_commits_without_weight_versions(tmp_path: Path, fake: FakeVllm) -> None:
+    """vLLM 0.32 returns no weight_versions; /weight_info names the revision: commit,
+    storing the body as vLLM returned it."""
+    fake.weight_versions = False
+    async with _loop(tmp_path, fake, "label") as loop:
+        assert loop.status()["weight_check"] == "label"
+        ids = [loop.accept("completion", {"prompt": [1, 2], "max_tokens": 2}).id
+               for _ in range(3)]  # fmt: skip
+        with trio.fail_after(10):
+            assert loop._current is not None
+            assert await loop._serve(loop._current) == "idle"
+        for id in ids:
+            assert _choices(loop, id) == [{"index": 0, "text": "ab", "finish_reason": "length"}]
+        assert loop.counters.commits == 3 and not loop.counters.rejects
+        sent = [i for i, c in enumerate(fake.calls) if c == "POST /v1/completions"]
+        assert len(sent) == 3
+        # Each response is followed, in its send, by one check of the label.
+        assert fake.calls.count("GET /weight_info") == 1 + 3  # the load's own, then one each
+
+
+async def test_label_mode_refuses_another_label(
+    tmp_path: Path, fake: FakeVllm, autojump_clock: Any
+) -> None:
+    """The label changes under the request (someone else relabelled the replica): no
+    commit for a whole turn, the request stays pending; once the label is right, commit."""
+    fake.weight_versions = False
+    async with _loop(tmp_path, fake, "label") as loop:
+        p = loop.accept("completion", {"prompt": [1, 2], "max_tokens": 2})
+        fake.on_complete = lambda: setattr(fake, "version", "r0")
+        cur = loop._current
+        assert cur is not None
+        cur.waiting_seen_at = trio.current_time()  # the turn ends after turn_seconds
+        with trio.fail_after(60):
+            assert await loop._serve(cur) == "waiting"
+        assert loop.store.is_pending(p.id) and loop.counters.commits == 0
+        assert loop.counters.rejects["weight_label"] >= 2
+        assert set(loop.counters.rejects) == {"weight_label"}
+        # The same request, sent again once the label is back to r1: committed.
+        fake.on_complete = None
+        fake.version = "r1"
+        with trio.fail_after(10):
+            await loop._send(p, trio.CancelScope(), loop.replica.epoch)
+        assert _choices(loop, p.id)[0]["text"] == "ab"
+        assert "weight_versions" not in _choices(loop, p.id)[0]  # never fabricated
+
+
+async def test_label_mode_epoch_and_abort_still_refuse(tmp_path: Path, fake: FakeVllm) -> None:
+    fake.weight_versions = False
+    async with _loop(tmp_path, fake, "label") as loop:
+        await loop.replica.load("r1", "/ckpt/r1")
+        p = loop.accept("completion", {"prompt": [1], "max_tokens": 2})
+        fake.on_complete = lambda: setattr(loop.replica, "epoch", loop.replica.epoch + 1)
+        with trio.fail_after(10):
+            await loop._send(p, trio.CancelScope(), loop.replica.epoch)
+        assert loop.store.is_pending(p.id) and loop.counters.rejects == {"epoch": 1}
+
+
+async def test_label_mode_failed_weight_info_is_a_failed_send(
+    tmp_path: Path, fake: FakeVllm
+) -> None:
+    """A 5xx from /weight_info: no commit, the request stays pending (never failed, even
+    on a 400), the replica counts as failed."""
+    fake.weight_versions = False
+    async with _loop(tmp_path, fake, "label") as loop:
+        await loop.replica.load("r1", "/ckpt/r1")
+        p = loop.accept("completion", {"prompt": [1], "max_tokens": 2})
+        fake.on_complete = lambda: setattr(fake, "weight_info_error", 500)
+        with trio.fail_after(10):
+            await loop._send(p, trio.CancelScope(), loop.replica.epoch)
+        assert loop.store.is_pending(p.id) and loop.counters.rejects == {"error": 1}
+        assert loop._current is not None and loop._current.replica_failed
+        assert "/weight_info: HTTP 500" in loop._current.replica_failed
+        loop._current.replica_failed = None
+        fake.on_complete = lambda: setattr(fake, "weight_info_error", 400)
+        with trio.fail_after(10):
+            await loop._send(p, trio.CancelScope(), loop.replica.epoch)
+        assert loop.store.is_pending(p.id) and loop.counters.refused_by_replica == 0
+        assert loop._current.replica_failed is None  # a 4xx is no dead replica
+
+
+async def test_spans_mode_against_an_old_vllm_says_so_once(
+    tmp_path: Path, fake: FakeVllm, autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default rule against vLLM 0.32: nothing commits, every refusal is counted as
+    no_weight_versions, and the cause and fix are logged once, not per request."""
+    fake.weight_versions = False
+    caplog.set_level(logging.WARNING, logger="dispatcher.serve")
+    async with _loop(tmp_path, fake, "spans") as loop:
+        assert loop.status()["weight_check"] == "spans"
+        ids = [loop.accept("completion", {"prompt": [1], "max_tokens": 2}).id for _ in range(2)]
+        cur = loop._current
+        assert cur is not None
+        cur.waiting_seen_at = trio.current_time()
+        with trio.fail_after(60):
+            assert await loop._serve(cur) == "waiting"
+        assert all(loop.store.is_pending(id) for id in ids) and loop.counters.commits == 0
+        assert set(loop.counters.rejects) == {"no_weight_versions"}
+        assert loop.counters.rejects["no_weight_versions"] >= 4  # both, retried
+        assert "GET /weight_info" not in fake.calls[fake.calls.index("POST /v1/completions") :]
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == [NO_WEIGHT_VERSIONS_ERROR]
+    assert "--weight-check label" in NO_WEIGHT_VERSIONS_ERROR
+
+
+async def test_spans_mode_with_weight_versions_commits(tmp_path: Path, fake: FakeVllm) -> None:
+    async with _loop(tmp_path, fake, "spans") as loop:
+        p = loop.accept("completion", {"prompt": [1], "max_tokens": 2})
+        with trio.fail_after(10):
+            assert loop._current is not None
+            assert await loop._serve(loop._current) == "idle"
+        assert _choices(loop, p.id)[0]["weight_versions"][0]["version"] == "r1"
+        assert loop.counters.commits == 1 and not loop.counters.rejects
+
+
+def test_weight_check_is_validated() -> None:
+    with pytest.raises(ValueError, match="weight_check must be one of"):
+        TurnConfig(workload="v", weight_check="trust")
 
 
 # -- against the real stub ------------------------------------------------------------

@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -26,62 +24,11 @@ import trio
 import proto
 from slicer.client import ClientError
 from tests.harness import Stack, running_stack, state_of, workload
+from tests.procs import Proc, free_port, spawn
 
 pytestmark = pytest.mark.integration
 
 IGNORE_TERM = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-
-
-@dataclass
-class Launched:
-    """A launcher process; its output (its log and the child's stdout and stderr, merged)
-    is read continuously into `lines`."""
-
-    proc: trio.Process
-    lines: list[str] = field(default_factory=list)
-    changed: trio.Event = field(default_factory=trio.Event)
-    closed: bool = False
-
-    async def _read(self) -> None:
-        assert self.proc.stdout is not None
-        buf = b""
-        async for data in self.proc.stdout:
-            buf += data
-            *done, buf = buf.split(b"\n")
-            self.lines += [raw.decode(errors="replace") for raw in done]
-            self.changed.set()
-            self.changed = trio.Event()
-        self.closed = True
-        self.changed.set()
-
-    async def line(self, pred: Callable[[str], bool]) -> str:
-        """The first output line satisfying `pred`, waiting for it if needed."""
-        while True:
-            for text in self.lines:
-                if pred(text):
-                    return text
-            assert not self.closed, "output closed without the line:\n" + self.output()
-            await self.changed.wait()
-
-    def index(self, fragment: str) -> int:
-        """Position of the first output line containing `fragment`."""
-        return next(i for i, text in enumerate(self.lines) if fragment in text)
-
-    async def wait(self, timeout: float = 20) -> int:
-        """Its exit code, within `timeout`."""
-        with trio.fail_after(timeout):
-            return await self.proc.wait()
-
-    def output(self) -> str:
-        """Everything read so far."""
-        return "\n".join(self.lines)
-
-    def descendants(self) -> list[psutil.Process]:
-        """Its live descendants."""
-        try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
 
 
 @asynccontextmanager
@@ -92,38 +39,12 @@ async def launcher(
     opts: list[str],
     command: list[str],
     socket_path: str | None = None,
-) -> AsyncIterator[Launched]:
+) -> AsyncIterator[Proc]:
     """Start `slicer-launch MODE` for `command`; on the way out, kill whatever is left."""
     argv = [sys.executable, "-m", "launcher.main", mode, "--workload", name]
     argv += ["--socket", socket_path or stack.socket, *opts, "--", *command]
-    proc = await trio.lowlevel.open_process(
-        argv,
-        env=stack.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    launched = Launched(proc)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(launched._read)
-        try:
-            yield launched
-        except BaseException:
-            print(f"---- launcher {name} output ----\n{launched.output()[-8000:]}")
-            raise
-        finally:
-            left = launched.descendants()
-            if proc.returncode is None:
-                proc.kill()
-            for p in left:
-                p.kill()
-            with trio.move_on_after(10):
-                await proc.wait()
-                while not launched.closed:
-                    await launched.changed.wait()
-            nursery.cancel_scope.cancel()  # last: nothing may checkpoint after it
-    assert proc.stdout is not None
-    await proc.stdout.aclose()
+    async with spawn(stack, f"launcher {name}", argv) as launched:
+        yield launched
 
 
 @asynccontextmanager
@@ -197,7 +118,7 @@ async def test_run_propagates_exit_code_env_and_registration() -> None:
     with trio.fail_after(30):
         async with running_stack() as stack:
             async with launcher(stack, "run", "job", [], child_code(REPORT)) as lw:
-                report = json.loads(await lw.line(lambda s: s.startswith("{")))
+                report = json.loads(await lw.text(lambda s: s.startswith("{")))
                 assert await lw.wait() == 7
             assert report["socket"] == stack.socket
             w = report["workload"]
@@ -245,7 +166,7 @@ async def test_fault_kills_the_child_group_and_the_waiter_is_granted_next() -> N
     with trio.fail_after(40):
         async with running_stack() as stack:
             async with launcher(stack, "run", "lf", [], child_code(FILL_AND_WAIT)) as lw:
-                child = int((await lw.line(lambda s: s.startswith("filled"))).split()[1])
+                child = int((await lw.text(lambda s: s.startswith("filled"))).split()[1])
                 await stack.until(state_of("lf", "idle"))
                 stack.ledger.inject(child, "lock")  # its park will fail
                 async with await stack.client() as reg_b, await stack.client() as acq_b:
@@ -276,8 +197,8 @@ async def test_sigterm_escalates_to_sigkill_and_leaves_no_orphans() -> None:
         async with running_stack() as stack:
             opts = ["--kill-grace", str(grace)]
             async with launcher(stack, "run", "stubborn", opts, child_code(code)) as lw:
-                await lw.line(lambda s: s == "ready")
-                await lw.line(lambda s: s == "grandchild")
+                await lw.text(lambda s: s == "ready")
+                await lw.text(lambda s: s == "grandchild")
                 procs = lw.descendants()
                 assert len(procs) == 2
                 pgid = os.getpgid(procs[0].pid)
@@ -299,7 +220,7 @@ async def test_slicerd_restart_reregisters_and_the_child_keeps_running() -> None
     with trio.fail_after(40):
         async with running_stack() as stack:
             async with launcher(stack, "run", "lr", [], child_code(code)) as lw:
-                await lw.line(lambda s: s == "up")
+                await lw.text(lambda s: s == "up")
                 await stack.until(registered_by("lr", lw.proc.pid))
                 (child,) = lw.descendants()
                 await stack.stop(signal.SIGKILL)
@@ -327,13 +248,6 @@ async def test_refused_register_exits_78_without_starting_the_child() -> None:
 
 
 # ---- vLLM profile ----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def vllm_stub(name: str, port: int, *extra: str) -> list[str]:
@@ -391,7 +305,7 @@ async def test_vllm_boots_in_a_turn_then_takes_turns_with_a_trainer() -> None:
             opts = ["--ready-file", str(ready)]
             async with launcher(stack, "vllm", "v", opts, vllm_stub("v", port)) as lw:
                 t0 = time.monotonic()
-                await lw.line(lambda s: "]: ready" in s)
+                await lw.text(lambda s: "]: ready" in s)
                 boot_to_ready = time.monotonic() - t0
                 assert ready.read_text().split()[0] == "v"
                 mine = [e for e in events if e.get("workload") == "v"]
@@ -454,7 +368,7 @@ async def test_vllm_sigterm_during_boot_escalates_and_leaves_no_orphans() -> Non
             cmd = vllm_stub("v", free_port(), "--boot-delay", "60")
             async with launcher(stack, "vllm", "v", opts, cmd) as lw:
                 # the API server ignores SIGTERM from its start until it is healthy
-                await lw.line(lambda s: "engine core pid=" in s)
+                await lw.text(lambda s: "engine core pid=" in s)
                 procs = lw.descendants()
                 assert len(procs) == 2  # api server + engine core
                 await stack.until(holder_is("v"))
@@ -476,7 +390,7 @@ async def test_stale_turn_cannot_end_the_boot_turn_of_a_restarted_launcher() -> 
         async with running_stack() as stack, await stack.client() as stale:
             port = free_port()
             async with launcher(stack, "vllm", "v", [], vllm_stub("v", port)) as first:
-                await first.line(lambda s: "]: ready" in s)
+                await first.text(lambda s: "]: ready" in s)
                 old = await stale.acquire("v")  # a dispatcher's turn of the first replica
                 first.proc.send_signal(signal.SIGTERM)
                 assert await first.wait() == 0
@@ -491,7 +405,7 @@ async def test_stale_turn_cannot_end_the_boot_turn_of_a_restarted_launcher() -> 
                         await stale.release("v", turn)
                     assert e.value.code == "not-holder"
                 assert holder_is("v", boot_turn)(await stack.status())
-                await second.line(lambda s: "]: ready" in s)
+                await second.text(lambda s: "]: ready" in s)
                 assert f"boot turn {boot_turn} released" in second.output()
                 second.proc.send_signal(signal.SIGTERM)
                 assert await second.wait() == 0
@@ -503,8 +417,8 @@ async def test_vllm_fault_stops_the_stub_and_the_waiter_is_granted_next() -> Non
         async with running_stack() as stack:
             opts = ["--park", "checkpoint"]
             async with launcher(stack, "vllm", "v", opts, vllm_stub("v", free_port())) as lw:
-                core = int((await lw.line(lambda s: "engine core pid=" in s)).split("=")[-1])
-                await lw.line(lambda s: "]: ready" in s)
+                core = int((await lw.text(lambda s: "engine core pid=" in s)).split("=")[-1])
+                await lw.text(lambda s: "]: ready" in s)
                 assert stack.ledger.state(core) == "checkpointed"  # parked at release
                 stack.ledger.inject(core, "restore")
                 async with await stack.client() as d, await stack.client() as b:
@@ -531,7 +445,7 @@ async def test_vllm_keeps_serving_across_a_slicerd_restart() -> None:
             ready = stack.base / "ready"
             opts = ["--ready-file", str(ready)]
             async with launcher(stack, "vllm", "v", opts, vllm_stub("v", port)) as lw:
-                await lw.line(lambda s: "]: ready" in s)
+                await lw.text(lambda s: "]: ready" in s)
                 await stack.stop(signal.SIGKILL)
                 await stack.start()
                 await stack.until(registered_by("v", lw.proc.pid))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,36 +22,29 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stubs.vllm_stub.engine import Engine, EngineError, log
+from stubs.vllm_stub.engine import Engine, log
+from stubs.vllm_stub.errors import EngineError, invalid, rpc_failed
 from stubs.vllm_stub.openai import parse_chat, parse_completion, render, stream
 
 __all__ = ["AppConfig", "build_app"]
 
 VERSION = "0.33.0"
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 @dataclass(frozen=True)
 class AppConfig:
     """What the routes need to know about the server."""
 
-    served_model_name: str
+    served_model_names: tuple[str, ...]
     model: str
     max_model_len: int
     dev_mode: bool
 
 
-def error(message: str, status: int) -> JSONResponse:
-    """vLLM's error body: ``{"error": {"message", "type", "param": null, "code"}}``."""
-    body = {
-        "error": {
-            "message": message,
-            "type": _ERROR_TYPES.get(status, "InternalServerError"),
-            "param": None,
-            "code": status,
-        }
-    }
-    return JSONResponse(body, status_code=status)
+def error(e: EngineError) -> JSONResponse:
+    """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return JSONResponse(e.body(), status_code=e.status)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -60,33 +55,100 @@ def _guard(fn: Handler) -> Handler:
         try:
             return await fn(request)
         except EngineError as e:
-            return error(str(e), e.status)
+            return error(e)
 
     return wrapped
 
 
-async def _json(request: Request, required: bool = True) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        if required:
-            raise EngineError("Expecting value: the request body must be JSON", 400)
-        return {}
+def _decode(raw: bytes) -> Any:
+    """JSON, or FastAPI's ``json_invalid`` error (``param`` ``body.<offset>``)."""
     try:
         return json.loads(raw)
     except json.JSONDecodeError as e:
-        raise EngineError(f"JSON decode error: {e}", 400) from e
+        raise invalid(("body", e.pos), "json_invalid", "JSON decode error", {}, error=e.msg) from e
+    except UnicodeDecodeError as e:
+        raise invalid(("body", e.start), "json_invalid", "JSON decode error", {}) from e
 
 
-def _choice(request: Request, name: str, default: str, allowed: tuple[str, ...]) -> str:
-    value = request.query_params.get(name, default)
-    if value not in allowed:
-        raise EngineError(f"Invalid {name} {value!r}: expected one of {list(allowed)}", 400)
+async def _model_body(request: Request) -> Any:
+    """The body of a route that takes a whole request model (completions, chat)."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise EngineError(
+            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+            400,
+            etype="Bad Request",
+        )
+    raw = await request.body()
+    if not raw:
+        raise invalid(("body",), "missing", "Field required")
+    return _decode(raw)
+
+
+async def _embedded(request: Request) -> dict[str, Any]:
+    """The body of a route whose fields are ``Body(embed=True)`` parameters."""
+    raw = await request.body()
+    body = _decode(raw) if raw else {}
+    return body if isinstance(body, dict) else {}
+
+
+def _query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    loc = ("query", name)
+    if not re.fullmatch(r"\s*[+-]?\d+\s*", raw):
+        raise invalid(
+            loc,
+            "int_parsing",
+            "Input should be a valid integer, unable to parse string as an integer",
+            raw,
+        )
+    value = int(raw)
+    if value < lo:
+        raise invalid(
+            loc, "greater_than_equal", f"Input should be greater than or equal to {lo}", raw, ge=lo
+        )
+    if value > hi:
+        raise invalid(
+            loc, "less_than_equal", f"Input should be less than or equal to {hi}", raw, le=hi
+        )
     return value
+
+
+def _query_mode(request: Request) -> str:
+    value = request.query_params.get("mode", "abort")
+    if value not in PAUSE_MODES:
+        expected = "'abort', 'wait' or 'keep'"
+        raise invalid(
+            ("query", "mode"),
+            "literal_error",
+            f"Input should be {expected}",
+            value,
+            expected=expected,
+        )
+    return value
+
+
+def _query_bool(request: Request, name: str, default: bool) -> bool:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if raw.strip().lower() in ("1", "on", "t", "true", "y", "yes"):
+        return True
+    if raw.strip().lower() in ("0", "off", "f", "false", "n", "no"):
+        return False
+    raise invalid(
+        ("query", name),
+        "bool_parsing",
+        "Input should be a valid boolean, unable to interpret input",
+        raw,
+    )
 
 
 def build_app(engine: Engine, cfg: AppConfig) -> Starlette:
     """The ASGI app serving ``engine``."""
-    created = int(time.time())
+    names = cfg.served_model_names
 
     async def health(request: Request) -> Response:
         return Response(status_code=503 if engine.dead else 200)
@@ -95,20 +157,38 @@ def build_app(engine: Engine, cfg: AppConfig) -> Starlette:
         return JSONResponse({"version": VERSION})
 
     async def models(request: Request) -> Response:
-        card = {
-            "id": cfg.served_model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "vllm",
-            "root": cfg.model,
-            "parent": None,
-            "max_model_len": cfg.max_model_len,
-            "permission": [],
+        now = int(time.time())
+        permission = {
+            "id": f"modelperm-{uuid.uuid4().hex[:16]}",
+            "object": "model_permission",
+            "created": now,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": now,
+                "owned_by": "vllm",
+                "root": cfg.model,
+                "parent": None,
+                "max_model_len": cfg.max_model_len,
+                "permission": [permission],
+            }
+            for name in names
+        ]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def metrics(request: Request) -> Response:
-        labels = f'engine="0",model_name="{cfg.served_model_name}"'
+        labels = f'engine="0",model_name="{names[0]}"'
         lines = [
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
             "# TYPE vllm:num_requests_running gauge",
@@ -137,9 +217,9 @@ def build_app(engine: Engine, cfg: AppConfig) -> Starlette:
         )
 
     async def generate(request: Request, chat: bool) -> Response:
-        body = await _json(request)
+        body = await _model_body(request)
         parse = parse_chat if chat else parse_completion
-        job = parse(body, cfg.served_model_name, cfg.max_model_len)
+        job = parse(body, names, cfg.max_model_len, request.headers.get("x-request-id"))
         engine.admit()
         if job.stream:
             return StreamingResponse(stream(job, engine), media_type="text/event-stream")
@@ -162,26 +242,23 @@ def build_app(engine: Engine, cfg: AppConfig) -> Starlette:
     # -- dev routes ----------------------------------------------------------------
 
     async def sleep(request: Request) -> Response:
-        raw = request.query_params.get("level", "1")
-        if raw not in ("0", "1", "2"):
-            raise EngineError(f"Invalid sleep level {raw!r}: expected 0, 1 or 2", 400)
-        mode = _choice(request, "mode", "abort", ("abort", "wait", "keep"))
-        await engine.sleep(int(raw), mode)
-        return JSONResponse({"status": "sleeping", "level": int(raw)})
+        level = _query_int(request, "level", 1, 0, 2)
+        mode = _query_mode(request)
+        await engine.sleep(level, mode)
+        return JSONResponse({"status": "sleeping", "level": level})
 
     async def wake_up(request: Request) -> Response:
         tags = request.query_params.getlist("tags") or None
-        for tag in tags or ():
-            if tag not in ("weights", "kv_cache"):
-                raise EngineError(f"Invalid tag {tag!r}: expected weights or kv_cache", 400)
-        await engine.wake(tags)
-        return JSONResponse({"status": "sleeping" if engine.sleeping else "awake", "tags": tags})
+        awake = await engine.wake(tags)
+        return JSONResponse({"status": "awake" if awake else "sleeping", "tags": tags})
 
     async def is_sleeping(request: Request) -> Response:
         return JSONResponse({"is_sleeping": engine.sleeping or engine.paused is not None})
 
     async def pause(request: Request) -> Response:
-        await engine.pause(_choice(request, "mode", "abort", ("abort", "wait", "keep")))
+        mode = _query_mode(request)
+        _query_bool(request, "clear_cache", True)
+        await engine.pause(mode)
         return JSONResponse({"status": "paused"})
 
     async def resume(request: Request) -> Response:
@@ -196,20 +273,35 @@ def build_app(engine: Engine, cfg: AppConfig) -> Starlette:
         return JSONResponse({"success": True})
 
     async def collective_rpc(request: Request) -> Response:
-        body = await _json(request)
-        if not isinstance(body, dict) or not isinstance(body.get("method"), str):
-            raise EngineError("Field required: method", 400)
-        args, kwargs = body.get("args") or [], body.get("kwargs") or {}
-        if not isinstance(args, list) or not isinstance(kwargs, dict):
-            raise EngineError("args must be a list and kwargs an object", 400)
-        results = await engine.collective_rpc(body["method"], args, kwargs)
+        # vLLM's route raises HTTPExceptions: 400 "Bad Request" with a null param
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise EngineError(f"JSON decode error: {e}", 400, etype="Bad Request") from e
+        if not isinstance(body, dict):
+            raise EngineError("Request body must be a JSON object", 400, etype="Bad Request")
+        method = body.get("method")
+        if method is None:
+            raise EngineError("Missing 'method' in request body", 400, etype="Bad Request")
+        args, kwargs = body.get("args", []), body.get("kwargs", {})
+        if not isinstance(args, list | str | dict):  # tuple(args) in the API server
+            raise EngineError(f"'{type(args).__name__}' object is not iterable", 400)
+        if not isinstance(method, str):
+            raise rpc_failed(f"attribute name must be string, not '{type(method).__name__}'")
+        if not isinstance(kwargs, dict):
+            raise rpc_failed(f"argument after ** must be a mapping, not {type(kwargs).__name__}")
+        results = await engine.collective_rpc(method, list(args), kwargs)
         return JSONResponse({"results": results})
 
     async def update_weight_version(request: Request) -> Response:
-        body = await _json(request)
-        version = body.get("new_version") if isinstance(body, dict) else None
+        body = await _embedded(request)
+        if "new_version" not in body:
+            raise invalid(("body", "new_version"), "missing", "Field required")
+        version = body["new_version"]
         if not isinstance(version, str):
-            raise EngineError("Field required: new_version (a string)", 400)
+            raise invalid(
+                ("body", "new_version"), "string_type", "Input should be a valid string", version
+            )
         engine.set_weight_version(version)
         return JSONResponse({"success": True, "new_version": version})
 
@@ -221,17 +313,17 @@ def build_app(engine: Engine, cfg: AppConfig) -> Starlette:
         return JSONResponse({"message": "Weight update started"})
 
     async def finish_weight_update(request: Request) -> Response:
-        body = await _json(request, required=False)
-        version = body.get("weight_version") if isinstance(body, dict) else None
+        body = await _embedded(request)
+        version = body.get("weight_version")
         if version is not None and not isinstance(version, str):
-            raise EngineError("weight_version must be a string", 400)
+            raise invalid(
+                ("body", "weight_version"), "string_type", "Input should be a valid string", version
+            )
         engine.finish_weight_update(version)
         return JSONResponse({"message": "Weight update finished"})
 
     async def fault(request: Request) -> Response:
-        body = await _json(request)
-        if not isinstance(body, dict):
-            raise EngineError("expected a JSON object", 400)
+        body = await _embedded(request)
         if "hang_requests" in body:
             engine.hang_requests = bool(body["hang_requests"])
             engine._notify()

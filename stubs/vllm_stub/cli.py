@@ -25,7 +25,7 @@ class Config:
     """Everything ``serve`` was told."""
 
     model: str
-    served_model_name: str
+    served_model_names: tuple[str, ...]  # the first names the model in responses
     host: str
     port: int
     enable_sleep_mode: bool
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--enable-sleep-mode", action="store_true")
     s.add_argument("--gpu-memory-utilization", type=_positive, default=0.9)
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--served-model-name", nargs="+", default=None)
     s.add_argument("--max-model-len", type=int, default=4096)
     s.add_argument("--enforce-eager", action="store_true")
     s.add_argument("--dtype", default="auto")
@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         build_parser().error("--gpu-memory-utilization must be in (0, 1]")
     return Config(
         model=args.model,
-        served_model_name=args.served_model_name or args.model,
+        served_model_names=tuple(args.served_model_name or [args.model]),
         host=args.host,
         port=args.port,
         enable_sleep_mode=args.enable_sleep_mode,

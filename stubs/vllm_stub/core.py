@@ -126,18 +126,23 @@ class Core:
         return {"woken": done}
 
     def reload(self, msg: dict[str, Any]) -> dict[str, Any]:
-        path = str(msg["weights_path"])
+        """``reload_weights``: errors are the worker's ``str(exception)`` as vLLM shows
+        it; ``weights_path`` None reloads MODEL (a directory, else its name)."""
+        path = msg.get("weights_path")
         time.sleep(float(msg.get("seconds", 0)))
         if msg.get("fail"):
-            raise CoreError(f"RuntimeError: injected failure loading weights from {path}")
+            raise CoreError(f"injected failure loading weights from {path or msg['model']}")
         if "weights" not in self.on_device:
             raise CoreError(
-                "RuntimeError: cannot load weights while they are offloaded (sleeping); "
+                "cannot load weights while they are offloaded (sleeping); "
                 "call /wake_up?tags=weights first"
             )
+        if path is None:
+            model = str(msg["model"])
+            return {"identity": read_identity(model) if Path(model).is_dir() else model}
         if not Path(path).is_dir():
-            raise CoreError(f"FileNotFoundError: [Errno 2] No such file or directory: {path!r}")
-        return {"identity": read_identity(path)}
+            raise CoreError(f"[Errno 2] No such file or directory: {str(path)!r}")
+        return {"identity": read_identity(str(path))}
 
     def free_all(self) -> None:
         with contextlib.suppress(FakeGpuError):

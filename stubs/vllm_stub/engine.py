@@ -7,9 +7,15 @@ itself lives in the engine-core child (``CoreLink``). Generation requests are
 ``GenRequest``s stepped token by token at ``tokens_per_s``. Before every step a request
 waits at the *gate*, which is open only when the engine is fully awake, not paused
 with ``mode=keep``, not busy in a ``collective_rpc`` (a weight reload runs between
-steps, as in vLLM's busy loop) and not in the middle of a sleep. A request blocked at
-the gate before its first token counts as *waiting* (``vllm:num_requests_waiting``):
-that is how a request sent to a sleeping server is held until a full wake.
+steps, as in vLLM's busy loop) and not in the middle of a sleep. That is how a request
+sent to a sleeping server is held until a full wake. A request blocked at the gate
+before its first token is *held*: as in vLLM 0.32 it has not reached the scheduler, so
+it counts as neither ``vllm:num_requests_waiting`` nor ``vllm:num_requests_running``
+(the stub has no batch limit, so nothing ever queues as *waiting*).
+
+A ``reload_weights`` that fails leaves the weights broken (vLLM has already begun
+reloading in place): the next generation step kills the engine core, exactly like the
+``crash`` fault, until a successful reload repairs them.
 
 Every state change calls ``_notify``, which wakes every waiter to re-check its
 predicate (a broadcast condition). Aborting a request cancels the scope of its current
@@ -28,6 +34,7 @@ from typing import Any
 import trio
 
 from stubs.vllm_stub.corelink import CoreDead, CoreError, CoreLink
+from stubs.vllm_stub.errors import DEAD_MESSAGE, EngineError, Paused, rpc_failed
 from stubs.vllm_stub.textgen import next_token, prompt_key
 
 __all__ = [
@@ -42,28 +49,13 @@ __all__ = [
 
 SLEEP_TAGS = ("weights", "kv_cache")
 RANDOM_WEIGHTS = "<discarded: random weights>"
-DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace for the root cause."
-PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+# vLLM's GPUModelRunner.reload_weights(weights_iterator, weights_path, is_checkpoint_format)
+RELOAD_KWARGS = ("weights_iterator", "weights_path", "is_checkpoint_format")
 
 
 def log(message: str) -> None:
     """One line to stderr, the stub's log (the launcher's tests read it)."""
     print(f"stub: {message}", file=sys.stderr, flush=True)
-
-
-class EngineError(Exception):
-    """A failed engine call; ``status`` is the HTTP status it maps to."""
-
-    def __init__(self, message: str, status: int = 500) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class Paused(EngineError):
-    """New requests while paused with mode abort or wait (HTTP 503)."""
-
-    def __init__(self) -> None:
-        super().__init__(PAUSED_MESSAGE, 503)
 
 
 @dataclass
@@ -100,7 +92,7 @@ class GenRequest:
     """One HTTP generation request (all its choices step together)."""
 
     seqs: list[Seq]
-    waiting: bool = True
+    held: bool = True  # blocked before the engine (sleep, pause) before its first token
     aborted: bool = False
     error: Exception | None = None
     scope: trio.CancelScope | None = None
@@ -125,9 +117,11 @@ class Engine:
         sleep_mode: bool,
         hang_requests: bool = False,
         fail_reload: bool = False,
+        model_path: str = "",
     ) -> None:
         self.core = core
         self.identity = identity
+        self.model_path = model_path  # MODEL: what reload_weights without a path reloads
         self.tokens_per_s = tokens_per_s
         self.reload_seconds = reload_seconds
         self.sleep_mode = sleep_mode
@@ -138,6 +132,7 @@ class Engine:
         self.sleep_level: int | None = None  # None: awake
         self.asleep_tags: set[str] = set()
         self.discarded = False
+        self.weights_broken = False  # a reload_weights failed part-way
         self.paused: str | None = None  # /pause mode
         self.sleeping_in_progress = False
         self.busy = 0
@@ -168,10 +163,13 @@ class Engine:
         return {1: "weights_offloaded", 2: "discard_all"}.get(self.sleep_level, "paused")
 
     def running(self) -> int:
-        return sum(1 for r in self.requests if not r.waiting)
+        """``vllm:num_requests_running``: requests past the gate (or frozen mid-way)."""
+        return sum(1 for r in self.requests if not r.held)
 
     def waiting(self) -> int:
-        return sum(1 for r in self.requests if r.waiting)
+        """``vllm:num_requests_waiting``: always 0 (no batch limit, so no queue; a held
+        request has not reached the scheduler, which vLLM counts as neither)."""
+        return 0
 
     def _notify(self) -> None:
         self._changed.set()
@@ -185,17 +183,13 @@ class Engine:
         """The engine core died: fail every request, now and later."""
         self.dead = True
         for req in list(self.requests):
-            req.abort(
-                CoreDead("EngineCore encountered an issue. See stack trace for the root cause.")
-            )
+            req.abort(CoreDead(DEAD_MESSAGE))
         self._notify()
 
     def admit(self) -> None:
         """Raise if a new generation request must be refused right now."""
         if self.dead:
-            raise EngineError(
-                "EngineCore encountered an issue. See stack trace for the root cause."
-            )
+            raise EngineError(DEAD_MESSAGE)
         if self.paused in ("abort", "wait") and not self.sleeping:
             raise Paused
 
@@ -210,7 +204,7 @@ class Engine:
             if n:
                 log(f"aborted {n} request(s)")
         elif mode == "wait":
-            await self._until(lambda: all(r.waiting for r in self.requests))
+            await self._until(lambda: all(r.held for r in self.requests))
 
     async def pause(self, mode: str) -> None:
         async with self._lock:
@@ -226,6 +220,8 @@ class Engine:
 
     async def resume(self) -> None:
         self.paused = None
+        if self.sleep_level == 0:  # a level-0 sleep is only a pause of the scheduler
+            self.sleep_level = None
         self._notify()
         log("resumed")
 
@@ -259,33 +255,49 @@ class Engine:
             self._notify()
             log(f"slept level={level} mode={mode} in {time.monotonic() - t0:.3f}s")
 
-    async def wake(self, tags: list[str] | None) -> None:
+    async def wake(self, tags: list[str] | None) -> bool:
+        """vLLM's ``wake_up``: wake ``tags`` (None: all), then resume scheduling if
+        nothing is asleep any more (this also ends a pause). True when fully awake.
+
+        As in vLLM's executor, a tag that is not asleep (unknown, or already awake)
+        makes the whole memory wake a logged no-op; ``scheduling`` only resumes."""
         if not self.sleep_mode:
             raise EngineError(
                 "Sleep mode is not enabled. Start the server with --enable-sleep-mode.", 400
             )
         async with self._lock:
-            if not self.sleeping:
-                return
             t0 = time.monotonic()
-            want = [t for t in SLEEP_TAGS if t in (tags or SLEEP_TAGS) and t in self.asleep_tags]
-            if want:
-                core_tags = ["weights" if t == "weights" else "kv" for t in want]
-                try:
-                    await self._core("wake", tags=core_tags)
-                except EngineError:
-                    log(f"wake failed (tags={want}); still sleeping")
-                    raise
-            self.asleep_tags -= set(want)
-            if "weights" in want and self.discarded:
-                self.identity, self.discarded = RANDOM_WEIGHTS, False
+            if tags is not None:
+                tags = [t for t in dict.fromkeys(tags) if t != "scheduling"]
+            if tags is None or tags:
+                await self._wake_memory(tags)
             if not self.asleep_tags:
+                if self.sleeping or self.paused is not None:
+                    log(f"woke in {time.monotonic() - t0:.3f}s")
                 self.sleep_level = None
                 self.paused = None
-                log(f"woke in {time.monotonic() - t0:.3f}s")
-            else:
-                log(f"woke tags={want}; still sleeping tags={sorted(self.asleep_tags)}")
             self._notify()
+            return not self.asleep_tags
+
+    async def _wake_memory(self, tags: list[str] | None) -> None:
+        if not self.asleep_tags:
+            log("wake: not sleeping")
+            return
+        if tags and any(t not in self.asleep_tags for t in tags):
+            log(f"wake: tags {tags} are not all asleep ({sorted(self.asleep_tags)}): no-op")
+            return
+        want = [t for t in SLEEP_TAGS if t in (tags or self.asleep_tags)]
+        core_tags = ["weights" if t == "weights" else "kv" for t in want]
+        try:
+            await self._core("wake", tags=core_tags)
+        except EngineError:
+            log(f"wake failed (tags={want}); still sleeping")
+            raise
+        self.asleep_tags -= set(want)
+        if "weights" in want and self.discarded:
+            self.identity, self.discarded = RANDOM_WEIGHTS, False
+        if self.asleep_tags:
+            log(f"woke tags={want}; still sleeping tags={sorted(self.asleep_tags)}")
 
     # -- weights -------------------------------------------------------------------
 
@@ -300,24 +312,51 @@ class Engine:
     async def collective_rpc(
         self, method: str, args: list[Any], kwargs: dict[str, Any]
     ) -> list[Any]:
+        """Only ``reload_weights`` exists; its failures are worker errors (500)."""
         if method != "reload_weights":
-            raise EngineError(f"AttributeError: 'Worker' object has no attribute '{method}'")
-        path = kwargs.get("weights_path", args[0] if args else None)
-        if not isinstance(path, str):
-            raise EngineError("TypeError: reload_weights() missing argument: 'weights_path'")
+            raise rpc_failed(f"'Worker' object has no attribute '{method}'")
+        unknown = [k for k in kwargs if k not in RELOAD_KWARGS]
+        if unknown:
+            raise rpc_failed(
+                f"GPUModelRunner.reload_weights() got an unexpected keyword argument '{unknown[0]}'"
+            )
+        path = kwargs.get("weights_path")
         async with self._lock:
+            if "weights" in self.asleep_tags:  # refused before touching the weights
+                raise rpc_failed(
+                    "cannot load weights while they are offloaded (sleeping); "
+                    "call /wake_up?tags=weights first"
+                )
             self.busy += 1
             self._notify()
             try:
-                reply = await self._core(
-                    "reload", weights_path=path, seconds=self.reload_seconds, fail=self.fail_reload
+                if args or kwargs.get("weights_iterator") is not None:
+                    # vLLM iterates the first positional arg (weights_iterator), a string
+                    raise CoreError("not enough values to unpack (expected 2, got 1)")
+                if path is not None and not isinstance(path, str):
+                    raise CoreError(
+                        f"expected str, bytes or os.PathLike object, not {type(path).__name__}"
+                    )
+                reply = await self.core.call(
+                    "reload",
+                    weights_path=path,
+                    model=self.model_path,
+                    seconds=self.reload_seconds,
+                    fail=self.fail_reload,
                 )
+            except CoreError as e:
+                self.weights_broken = True
+                log(f"reload from {path} failed, weights broken until a reload works: {e}")
+                raise rpc_failed(str(e)) from e
+            except CoreDead as e:
+                raise EngineError(DEAD_MESSAGE) from e
             finally:
                 self.busy -= 1
                 self._notify()
             self.identity = str(reply["identity"])
             self.discarded = False
-            log(f"reloaded weights from {path} (identity={self.identity})")
+            self.weights_broken = False
+            log(f"reloaded weights from {path or self.model_path} (identity={self.identity})")
         return [None]
 
     def set_weight_version(self, version: str) -> None:
@@ -341,9 +380,8 @@ class Engine:
     # -- generation ----------------------------------------------------------------
 
     def _emit(self, seq: Seq) -> None:
-        tok = next_token(
-            seq.key, self.identity, self.weight_version, seq.seed, seq.index, len(seq.token_ids)
-        )
+        # The label is not the content: only the weights decide the text (as in vLLM).
+        tok = next_token(seq.key, self.identity, seq.seed, seq.index, len(seq.token_ids))
         n = len(seq.token_ids)
         seq.token_ids.append(tok.id)
         self.generated_tokens += 1
@@ -374,14 +412,18 @@ class Engine:
                     if req.aborted:
                         scope.cancel()
                     if not self.gate_open:
-                        req.waiting = not any(s.token_ids for s in req.seqs)
+                        req.held = not any(s.token_ids for s in req.seqs)
+                        if req.held:
+                            log("request held at the gate (asleep, paused or reloading)")
                         self._notify()
                         await self._until(lambda: self.gate_open)
-                        req.waiting = False
+                    if req.held:
+                        req.held = False
                         self._notify()
-                    else:
-                        req.waiting = False
                     await self._until(lambda: not self.hang_requests)
+                    if self.weights_broken:
+                        self._crash("a forward pass on broken weights (failed reload)")
+                        raise EngineError(DEAD_MESSAGE)
                     await trio.sleep(1.0 / self.tokens_per_s)
                 req.scope = None
                 if req.error is not None:
@@ -401,6 +443,11 @@ class Engine:
         finally:
             self.requests.discard(req)
             self._notify()
+
+    def _crash(self, why: str) -> None:
+        """Kill the engine core as a real one dies (the server then exits 1)."""
+        log(f"engine core crashes: {why}")
+        self.core.kill()
 
     @contextlib.asynccontextmanager
     async def steps(self, req: GenRequest) -> AsyncIterator[AsyncIterator[None]]:

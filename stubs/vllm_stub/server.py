@@ -77,11 +77,12 @@ async def serve(cfg: Config) -> int:
             sleep_mode=cfg.enable_sleep_mode,
             hang_requests=cfg.hang_requests,
             fail_reload=cfg.fail_reload,
+            model_path=cfg.model,
         )
         app = build_app(
             engine,
             AppConfig(
-                served_model_name=cfg.served_model_name,
+                served_model_names=cfg.served_model_names,
                 model=cfg.model,
                 max_model_len=cfg.max_model_len,
                 dev_mode=cfg.dev_mode,

@@ -3,8 +3,9 @@
 A "token" is a word. The prompt's tokens are its whitespace-separated words hashed
 into a 32000-id vocabulary (or the token ids given). Generated token ``i`` of choice
 ``index`` is a word from a fixed list picked by a hash of (prompt ids, weights
-identity, weight_version label, seed, index, i): the same request against the same
-weights always gives the same text, and loading other weights changes it.
+identity, seed, index, i): the same request against the same weights always gives the
+same text, loading other weights changes it, and the weight_version label (which is
+not the content) does not.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def prompt_key(ids: list[int]) -> int:
     return _h("prompt", *ids)
 
 
-def next_token(key: int, identity: str, label: str, seed: int, index: int, i: int) -> Token:
+def next_token(key: int, identity: str, seed: int, index: int, i: int) -> Token:
     """Token ``i`` of choice ``index`` for prompt ``key`` under the given weights."""
-    word = WORDS[_h(key, identity, label, seed, index, i) % len(WORDS)]
+    word = WORDS[_h(key, identity, seed, index, i) % len(WORDS)]
     return Token(id=WORDS.index(word), text=" " + word)
