@@ -236,12 +236,15 @@ class Replica:
 
     async def recover(self, timeout: float = CONTROL_TIMEOUT_S) -> None:
         """First sight of the replica, or after our own load broke off (VLLM_API.md):
-        resume it if paused, close any open weight update with one bare finish, and count
-        its version as unknown until a full :meth:`load`."""
+        close any open weight update with one bare finish, and count its version as
+        unknown until a full :meth:`load`.
+
+        A pause is not ended here: the turn's full :meth:`wake`, which always follows,
+        ends it (vLLM resumes its scheduler once fully awake). ``/resume`` is never sent
+        to a replica that may be asleep: ``/is_paused`` is also true while asleep, and
+        resuming a slept vLLM would schedule requests on offloaded weights."""
         self.epoch += 1
         self.known_version = None
-        if await self.is_paused(timeout):
-            await self.resume(timeout)
         await self.finish_open_update(timeout)
 
     async def complete(self, kind: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:

@@ -149,14 +149,18 @@ async def test_turn_cycle(fake: FakeVllm) -> None:
         assert all(fake.connection[p] == {"keep-alive"} for p in gen), fake.connection
 
 
-async def test_recover_resumes_and_closes_an_open_update(fake: FakeVllm) -> None:
-    fake.paused = fake.update_open = True
+async def test_recover_closes_an_open_update_and_never_resumes(fake: FakeVllm) -> None:
+    fake.asleep = fake.update_open = True  # a slept replica reads as paused too
     async with Replica("http://vllm", transport=httpx.MockTransport(fake)) as r:
         r.known_version = "r1"
         await r.recover()
-        assert not fake.paused and not fake.update_open and r.known_version is None
-        assert fake.calls == ["GET /is_paused", "POST /resume", "POST /finish_weight_update"]
+        assert not fake.update_open and r.known_version is None
+        # No /resume: on a slept vLLM it would schedule on offloaded weights.
+        assert fake.calls == ["POST /finish_weight_update"] and fake.asleep
         assert await r.finish_open_update() is False  # the 500 "no update open"
+        fake.asleep, fake.paused = False, True
+        await r.wake()  # the turn's wake ends a pause
+        assert not fake.paused
 
 
 async def test_errors_carry_status_and_vllm_message(fake: FakeVllm) -> None:

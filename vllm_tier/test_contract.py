@@ -91,6 +91,16 @@ async def metric(http: httpx.AsyncClient, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+async def sleep_states(http: httpx.AsyncClient) -> dict[str, float]:
+    """The ``vllm:engine_sleep_state`` samples by their ``sleep_state`` label."""
+    out = {}
+    for line in (await http.get("/metrics")).text.splitlines():
+        if line.startswith("vllm:engine_sleep_state{"):
+            label = line.split('sleep_state="', 1)[1].split('"', 1)[0]
+            out[label] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 # -- plain routes -------------------------------------------------------------------
 
 
@@ -300,6 +310,7 @@ async def case_sleep_holds_requests_until_wake(s: Side) -> Obs:
     sleeping = (await s.dev.get("/is_sleeping")).json()
     paused = (await s.dev.get("/is_paused")).json()
     health = (await s.dev.get("/health")).status_code
+    asleep_states = await sleep_states(s.dev)
     held = await _held(s.dev, lambda: s.dev.post("/wake_up"))
     woke = (await s.dev.get("/is_sleeping")).json()
     return {
@@ -310,6 +321,8 @@ async def case_sleep_holds_requests_until_wake(s: Side) -> Obs:
         "health": health,
         **held,
         "after_wake": woke,
+        "sleep_state_asleep": asleep_states,
+        "sleep_state_awake": await sleep_states(s.dev),
     }
 
 
@@ -333,9 +346,8 @@ async def case_pause_keep_holds_until_resume(s: Side) -> Obs:
     }
 
 
-@case
-async def case_pause_abort_then_new_request(s: Side) -> Obs:
-    p = await s.dev.post("/pause", params={"mode": "abort"})
+async def _pause_then_new_request(s: Side, mode: str) -> Obs:
+    p = await s.dev.post("/pause", params={"mode": mode})
     out: Obs = {"pause": (p.status_code, p.json())}
     got: list[httpx.Response] = []
     answered = trio.Event()
@@ -353,6 +365,54 @@ async def case_pause_abort_then_new_request(s: Side) -> Obs:
     if out["answered_while_paused"] is None:
         out["after_resume"] = got[0].status_code
     return out
+
+
+@case
+async def case_pause_abort_then_new_request(s: Side) -> Obs:
+    return await _pause_then_new_request(s, "abort")
+
+
+@case
+async def case_pause_wait_then_new_request(s: Side) -> Obs:
+    return await _pause_then_new_request(s, "wait")
+
+
+@case
+async def case_sleep_keep_freezes_a_running_request(s: Side) -> Obs:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "hello",
+        "max_tokens": 120,
+        "temperature": 1.0,
+        "seed": 2,
+        "n": 8,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    tokens: dict[int, int] = {}
+    finish: dict[int, str] = {}
+    async with s.dev.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.aiter_lines()
+        async for line in lines:
+            if line.startswith("data: {"):
+                break
+        slept = await s.dev.post("/sleep", params={"level": 1, "mode": "keep"})
+        woke = await s.dev.post("/wake_up")
+        async for line in lines:
+            if line.startswith("data: {"):
+                for ch in json.loads(line.removeprefix("data: "))["choices"]:
+                    tokens[ch["index"]] = tokens.get(ch["index"], 0) + len(ch["token_ids"] or [])
+                    if ch["finish_reason"]:
+                        finish[ch["index"]] = ch["finish_reason"]
+        status = r.status_code
+    return {
+        "status": status,
+        "sleep": slept.status_code,
+        "wake": woke.status_code,
+        "finish": sorted(set(finish.values())),
+        "choices_ended": len(finish),
+    }
 
 
 @case
@@ -422,6 +482,12 @@ KNOWN: dict[str, Known] = {
         "the configured server VLLM_API.md describes (start opens an update)",
         real=lambda o: o["start"]["status"] == 500 and o["not_configured"],
         stub=lambda o: o["start"] == (200, {"message": "Weight update started"}),
+    ),
+    "pause_wait_then_new_request": Known(
+        "0.32 holds a request sent while paused with mode=wait; 0.33 (VLLM_API.md, the "
+        "stub) answers 503",
+        real=lambda o: o["answered_while_paused"] is None and o["after_resume"] == 200,
+        stub=lambda o: o["answered_while_paused"]["status"] == 503,
     ),
     "pause_abort_then_new_request": Known(
         "0.32 holds a request sent while paused with mode=abort; 0.33 (VLLM_API.md, the "

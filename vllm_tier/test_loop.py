@@ -199,6 +199,8 @@ def check_order(calls: list[Call], killed_life: int) -> None:
         seq = [c for c in calls if c.life == life and not c.dropped]
         outside = [f"{c.method} {c.path}" for c in seq if not c.v_active]
         assert not outside, f"life {life}: calls outside a turn of 'v': {outside}"
+        # /resume on a slept vLLM would schedule on offloaded weights: the wake resumes.
+        assert all(c.path != "/resume" for c in seq), f"life {life}: /resume was sent"
         awake = False
         for i, c in enumerate(seq):
             if c.path == "/wake_up":
