@@ -377,14 +377,16 @@ async def case_pause_wait_then_new_request(s: Side) -> Obs:
     return await _pause_then_new_request(s, "wait")
 
 
-@case
-async def case_sleep_keep_freezes_a_running_request(s: Side) -> Obs:
+async def _sleep_under_a_request(s: Side, mode: str, seed: int) -> Obs:
+    """Stream n=8 x 120 tokens; at the first chunk, ``/sleep?level=1&mode=MODE`` then
+    ``/wake_up``; what each choice got. 8 sequences keep the real CPU engine busy long
+    enough that the sleep lands while the request runs."""
     body = {
         "model": MODEL_NAME,
         "prompt": "hello",
         "max_tokens": 120,
         "temperature": 1.0,
-        "seed": 2,
+        "seed": seed,
         "n": 8,
         "ignore_eos": True,
         "stream": True,
@@ -392,19 +394,24 @@ async def case_sleep_keep_freezes_a_running_request(s: Side) -> Obs:
     }
     tokens: dict[int, int] = {}
     finish: dict[int, str] = {}
+
+    def take(line: str) -> None:
+        if line.startswith("data: {"):
+            for ch in json.loads(line.removeprefix("data: "))["choices"]:
+                tokens[ch["index"]] = tokens.get(ch["index"], 0) + len(ch["token_ids"] or [])
+                if ch["finish_reason"]:
+                    finish[ch["index"]] = ch["finish_reason"]
+
     async with s.dev.stream("POST", "/v1/completions", json=body) as r:
         lines = r.aiter_lines()
         async for line in lines:
-            if line.startswith("data: {"):
+            take(line)
+            if tokens:
                 break
-        slept = await s.dev.post("/sleep", params={"level": 1, "mode": "keep"})
+        slept = await s.dev.post("/sleep", params={"level": 1, "mode": mode})
         woke = await s.dev.post("/wake_up")
         async for line in lines:
-            if line.startswith("data: {"):
-                for ch in json.loads(line.removeprefix("data: "))["choices"]:
-                    tokens[ch["index"]] = tokens.get(ch["index"], 0) + len(ch["token_ids"] or [])
-                    if ch["finish_reason"]:
-                        finish[ch["index"]] = ch["finish_reason"]
+            take(line)
         status = r.status_code
     return {
         "status": status,
@@ -412,50 +419,19 @@ async def case_sleep_keep_freezes_a_running_request(s: Side) -> Obs:
         "wake": woke.status_code,
         "finish": sorted(set(finish.values())),
         "choices_ended": len(finish),
+        "tokens_per_choice": sorted(set(tokens.values())) if mode == "keep" else None,
+        "cut_short": all(0 < n < 120 for n in tokens.values()) and len(tokens) == 8,
     }
 
 
 @case
+async def case_sleep_keep_freezes_a_running_request(s: Side) -> Obs:
+    return await _sleep_under_a_request(s, "keep", seed=2)
+
+
+@case
 async def case_sleep_abort_ends_a_running_request(s: Side) -> Obs:
-    # n=8 sequences of 120 tokens: long enough on the real CPU engine that the sleep
-    # lands while the request runs (it is sent as soon as the first chunk arrives).
-    body = {
-        "model": MODEL_NAME,
-        "prompt": "hello",
-        "max_tokens": 120,
-        "temperature": 1.0,
-        "seed": 1,
-        "n": 8,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    chunks: list[dict[str, Any]] = []
-    async with s.dev.stream("POST", "/v1/completions", json=body) as r:
-        lines = r.aiter_lines()
-        async for line in lines:
-            if line.startswith("data: {"):
-                chunks.append(json.loads(line.removeprefix("data: ")))
-                break
-        slept = await s.dev.post("/sleep", params={"level": 1, "mode": "abort"})
-        async for line in lines:
-            if line.startswith("data: {"):
-                chunks.append(json.loads(line.removeprefix("data: ")))
-        status = r.status_code
-    await s.dev.post("/wake_up")
-    finish: dict[int, str] = {}
-    tokens: dict[int, int] = {}
-    for c in chunks:
-        for ch in c["choices"]:
-            tokens[ch["index"]] = tokens.get(ch["index"], 0) + len(ch["token_ids"] or [])
-            if ch["finish_reason"]:
-                finish[ch["index"]] = ch["finish_reason"]
-    return {
-        "status": status,
-        "sleep": slept.status_code,
-        "finish": sorted(set(finish.values())),
-        "choices_ended": len(finish),
-        "cut_short": all(n < 120 for n in tokens.values()),
-    }
+    return await _sleep_under_a_request(s, "abort", seed=1)
 
 
 # -- the table ----------------------------------------------------------------------
@@ -522,6 +498,7 @@ async def test_real_and_stub_agree(name: str, pair: dict[str, Server], models: P
     with trio.fail_after(240):
         real = await observe(name, pair["real"], pair["real-nodev"], models)
         stub = await observe(name, pair["stub"], pair["stub-nodev"], models)
+    print(f"{name}: real={real!r} stub={stub!r}")
     known = KNOWN.get(name)
     if known is None:
         assert real == stub, f"real vLLM and the stub differ in {name}:\n{_diff(real, stub)}"
