@@ -6,7 +6,8 @@
 Boots the real server (``vllm_tier.servers``, the tier's flags) and the stub on the
 same tiny model, then runs CYCLES turns on each, as the dispatcher does them:
 ``POST /wake_up``, ``collective_rpc reload_weights`` (alternating rev-1 / rev-2),
-``update_weight_version``, one greedy completion of 8 tokens, ``POST /sleep?level=1``.
+``update_weight_version``, ``reset_prefix_cache``, ``GET /weight_info``, one greedy
+completion of 8 tokens, ``POST /sleep?level=1&mode=abort``.
 Prints the median and p99 of each call in milliseconds and the real/stub ratio. On CPU
 vLLM ignores sleep (no memory moves), so wake and sleep measure the HTTP and engine
 round trip, not a weight transfer.
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from stubs.fakegpu import Ledger, parse_size
 from vllm_tier import servers as sv
 
-STEPS = ("wake", "reload", "version", "generate", "sleep")
+STEPS = ("wake", "reload", "version", "reset_cache", "weight_info", "generate", "sleep")
 
 
 def _p99(xs: list[float]) -> float:
@@ -56,11 +57,13 @@ def cycles(url: str, models: Path, n: int) -> dict[str, list[float]]:
                 "version": lambda rev=rev: http.post(
                     "/update_weight_version", json={"new_version": rev}
                 ),
+                "reset_cache": lambda: http.post("/reset_prefix_cache"),
+                "weight_info": lambda: http.get("/weight_info"),
                 "generate": lambda: http.post(
                     "/v1/completions",
                     json={"prompt": "hello world", "max_tokens": 8, "temperature": 0},
                 ),
-                "sleep": lambda: http.post("/sleep", params={"level": 1}),
+                "sleep": lambda: http.post("/sleep", params={"level": 1, "mode": "abort"}),
             }
             for step in STEPS:
                 t0 = time.perf_counter()

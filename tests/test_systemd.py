@@ -96,6 +96,8 @@ def test_socket_and_service_say_what_the_docs_promise() -> None:
 
     svc = parse_unit(UNITS / "slicer.service")["Service"]
     assert svc["Type"] == ["notify"] and svc["Restart"] == ["on-failure"]
+    # vLLM exits 0 when its engine dies: only Restart=always brings a replica back.
+    assert parse_unit(UNITS / "slicer-vllm@.service")["Service"]["Restart"] == ["always"]
     assert svc["KillMode"] == ["process"]  # a daemon restart never kills a workload
     assert int(svc["WatchdogSec"][0]) > 0
     # Root must keep its power over other users' processes and /dev/nvidia*.

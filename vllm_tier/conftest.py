@@ -1,4 +1,4 @@
-"""Fixtures of the real-vLLM tier: the real server and the stub, started once per session.
+"""Fixtures of the real-vLLM tier: the real server and the stub, started once per module.
 
 Four servers start together (their boots overlap): the real vLLM and the stub, each with
 and without ``VLLM_SERVER_DEV_MODE``. The stub runs with ``--enable-sleep-mode`` (its
@@ -25,7 +25,7 @@ def models() -> Path:
     return sv.models_dir()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped before the loop test boots its own vLLM
 def pair(tmp_path_factory: pytest.TempPathFactory, models: Path) -> Iterator[dict[str, sv.Server]]:
     """{"real", "stub", "real-nodev", "stub-nodev"}: ready servers on the base model."""
     base = tmp_path_factory.mktemp("pair")

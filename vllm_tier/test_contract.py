@@ -434,6 +434,128 @@ async def case_sleep_abort_ends_a_running_request(s: Side) -> Obs:
     return await _sleep_under_a_request(s, "abort", seed=1)
 
 
+@case
+async def case_sleep_level_0_is_a_pause(s: Side) -> Obs:
+    r = await s.dev.post("/sleep", params={"level": 0})
+    states = await sleep_states(s.dev)
+    flags = ((await s.dev.get("/is_sleeping")).json(), (await s.dev.get("/is_paused")).json())
+    held = await _held(s.dev, lambda: s.dev.post("/resume"))  # /resume ends a level 0
+    after = ((await s.dev.get("/is_sleeping")).json(), (await s.dev.get("/is_paused")).json())
+    return {
+        "sleep": (r.status_code, r.json()),
+        "states": states,
+        "flags": flags,
+        **held,
+        "after_resume": after,
+    }
+
+
+@case
+async def case_sleep_level_2_state(s: Side) -> Obs:
+    r = await s.dev.post("/sleep", params={"level": 2})
+    states = await sleep_states(s.dev)
+    w = await s.dev.post("/wake_up")
+    # Level 2 drops the weights on a GPU (the stub too); the CPU worker keeps them.
+    # Either way the weights must be reloaded: reload the base for the next cases.
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(s.models / "base")}}
+    rl = await s.dev.post("/collective_rpc", json=rpc)
+    return {
+        "sleep": (r.status_code, r.json()),
+        "states": states,
+        "wake": (w.status_code, w.json()),
+        "reload": rl.status_code,
+        "serves": (await complete(s.dev)).status_code,
+    }
+
+
+@case
+async def case_partial_wake_keeps_requests_held(s: Side) -> Obs:
+    await s.dev.post("/sleep", params={"level": 1})
+    part = await s.dev.post("/wake_up", params={"tags": "weights"})
+    flags = (await s.dev.get("/is_sleeping")).json()
+    held = await _held(s.dev, lambda: s.dev.post("/wake_up", params={"tags": "kv_cache"}))
+    return {"partial": (part.status_code, part.json()), "is_sleeping": flags, **held}
+
+
+@case
+async def case_wake_ends_a_pause(s: Side) -> Obs:
+    p = await s.dev.post("/pause", params={"mode": "keep"})
+    flags = ((await s.dev.get("/is_sleeping")).json(), (await s.dev.get("/is_paused")).json())
+    held = await _held(s.dev, lambda: s.dev.post("/wake_up"))
+    return {
+        "pause": p.status_code,
+        "flags_while_paused": flags,
+        **held,
+        "paused_after": (await s.dev.get("/is_paused")).json(),
+    }
+
+
+@case
+async def case_finish_weight_update_with_a_version(s: Side) -> Obs:
+    r = await s.dev.post("/finish_weight_update", json={"weight_version": "x"})
+    return {"finish": err(r), "label": (await s.dev.get("/weight_info")).json()}
+
+
+@case
+async def case_completion_parameters(s: Side) -> Obs:
+    out: Obs = {}
+    cases: dict[str, dict[str, Any]] = {
+        "str_list": {"prompt": ["hello", "world"]},
+        "ids_list": {"prompt": [[5, 6], [7, 8]]},
+        "stop": {"stop": ["\n"], "max_tokens": 8},
+        "logprobs_2": {"logprobs": 2},
+        "logprobs_0": {"logprobs": 0},
+        "logprobs_21": {"logprobs": 21},
+        "top_p": {"temperature": 0.7, "top_p": 0.9, "seed": 4},
+        "request_id": {"request_id": "my-req-1"},
+        "stream": {"stream": True, "max_tokens": 3},
+        "bad_top_p": {"top_p": 0},
+        "bad_logprobs": {"logprobs": -1},
+        "bad_n": {"n": 0},
+    }
+    for name, kw in cases.items():
+        r = await complete(s.dev, **kw)
+        if r.status_code != 200:
+            out[name] = err(r)
+        elif kw.get("stream"):
+            events = [e for e in r.text.split("\n\n") if e.startswith("data: {")]
+            out[name] = [shape(json.loads(e.removeprefix("data: "))) for e in events[-1:]]
+        else:
+            choice = r.json()["choices"][0]
+            lp = choice.get("logprobs")
+            if isinstance(lp, dict):  # its top_logprobs are keyed by token: count them
+                choice["logprobs"] = {
+                    **lp,
+                    "top_logprobs": [len(t or {}) for t in lp["top_logprobs"]],
+                }
+            out[name] = (
+                len(r.json()["choices"]),
+                shape(choice),
+                choice.get("logprobs") and choice["logprobs"]["top_logprobs"][:1],
+            )
+    return out
+
+
+@case
+async def case_chat_stream(s: Side) -> Obs:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+    }
+    r = await s.dev.post("/v1/chat/completions", json=body)
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    return {
+        "status": r.status_code,
+        "done": events[-1],
+        "first": shape(chunks[0]),
+        "last": shape(chunks[-1]),
+        "n": len(chunks),
+    }
+
+
 # -- the table ----------------------------------------------------------------------
 
 
@@ -463,13 +585,13 @@ KNOWN: dict[str, Known] = {
         "0.32 holds a request sent while paused with mode=wait; 0.33 (VLLM_API.md, the "
         "stub) answers 503",
         real=lambda o: o["answered_while_paused"] is None and o["after_resume"] == 200,
-        stub=lambda o: o["answered_while_paused"]["status"] == 503,
+        stub=lambda o: (o["answered_while_paused"] or {}).get("status") == 503,
     ),
     "pause_abort_then_new_request": Known(
         "0.32 holds a request sent while paused with mode=abort; 0.33 (VLLM_API.md, the "
         "stub) answers 503",
         real=lambda o: o["answered_while_paused"] is None and o["after_resume"] == 200,
-        stub=lambda o: o["answered_while_paused"]["status"] == 503,
+        stub=lambda o: (o["answered_while_paused"] or {}).get("status") == 503,
     ),
 }
 
@@ -526,6 +648,6 @@ async def test_generation_after_a_failed_reload_kills_the_engine(
                 "reload": r.status_code,
                 "generate": err(gen),
                 "dead": "EngineCore encountered an issue" in gen.text,
-                "server_exited": code is not None,
+                "exit_code": code,
             }
     assert obs["real"] == obs["stub"], _diff(obs["real"], obs["stub"])

@@ -5,12 +5,20 @@ real weight revisions.
 The dispatcher talks to vLLM through a recording proxy in this test. For every call the
 proxy notes, before forwarding it, whether slicerd says the replica's workload holds the
 GPU, how many generation calls are in flight, and how long vLLM took. From that record
-the test checks the order the dispatcher issue specifies: calls only inside a turn,
-wake before any generation, a load whole (reload, label, prefix-cache reset, check) and
-never under a generation, sleep at the end of every turn. It kills the dispatcher with
-SIGKILL while generations are held in the proxy, restarts it, and checks that every
-accepted sample is served, each by the revision it pinned: the text equals what a
-direct call gets at temperature 0 with that revision loaded.
+the test checks the order the dispatcher issue specifies, per turn: calls only inside a
+turn of the replica, recovery (one bare finish) and a whole load before the first
+generation of a dispatcher's life, wake before any generation, a load whole (reload,
+label, prefix-cache reset, check) and never under a generation, sleep at the end of
+every turn, never ``/resume``. It kills the dispatcher with SIGKILL while generations
+are held in the proxy, then (in a turn of its own) swaps the base weights in behind the
+unchanged label, restarts the dispatcher, and checks that every accepted sample is
+served, each by the revision it pinned: the text equals what a direct call gets at
+temperature 0 with that revision loaded, and the two revisions give different text for
+every prompt used.
+
+The real vLLM holds no memory in the fake GPU ledger (it runs on the CPU), so the
+ledger's overlap count here covers the trainer stub's memory only; that a slept replica
+is verified before anyone else is granted is covered by the stub tests.
 
 vLLM 0.32 does not return ``weight_versions``, so the dispatcher runs with
 ``--weight-check label`` (see ``dispatcher/core.py``).
@@ -46,7 +54,6 @@ from vllm_tier import servers as sv
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTROL = ("/wake_up", "/sleep", "/collective_rpc", "/update_weight_version")
 PARAMS = {"max_tokens": 6, "temperature": 0}
 
 
@@ -60,6 +67,7 @@ class Call:
     query: str
     body: bytes
     v_active: bool  # slicerd said workload "v" held the GPU when the call arrived
+    turn: int | None  # v's turn number then (None when it held none)
     gens_in_flight: int  # generation calls in flight when it arrived
     status: int | None = None
     seconds: float = 0.0
@@ -90,6 +98,7 @@ class Proxy:
             request.url.query,
             body,
             bool(v and v["state"] == "active"),
+            int(v["turn"]) if v and v["state"] == "active" else None,
             self.in_flight,
         )
         self.calls.append(call)
@@ -173,15 +182,16 @@ async def submit(http: httpx.AsyncClient, prompt: str, revision: str | None) -> 
 
 
 async def direct_texts(
-    stack: Stack, url: str, ckpt: Path, wanted: dict[str, list[str]]
+    stack: Stack, url: str, models: Path, prompts: list[str]
 ) -> dict[tuple[str, str], str]:
-    """Greedy texts of each revision's prompts, from vLLM directly, inside a turn of ours."""
+    """Greedy text of every prompt under rev-1 and rev-2 (loaded from the source
+    checkpoints, not the trainer's copies), from vLLM directly, inside a turn of ours."""
     out: dict[tuple[str, str], str] = {}
     async with await stack.client() as c, httpx.AsyncClient(base_url=url, timeout=120) as http:
         turn = await c.acquire("v", wait=120)
         (await http.post("/wake_up")).raise_for_status()
-        for rev, prompts in wanted.items():
-            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(ckpt / rev)}}
+        for rev in ("rev-1", "rev-2"):
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(models / rev)}}
             (await http.post("/collective_rpc", json=rpc)).raise_for_status()
             for prompt in prompts:
                 r = await http.post("/v1/completions", json={"prompt": prompt, **PARAMS})
@@ -192,34 +202,57 @@ async def direct_texts(
     return out
 
 
+async def swap_weights_behind_the_label(stack: Stack, url: str, models: Path) -> None:
+    """In a turn of ours, load the base weights and leave the label as it is: a
+    dispatcher that trusted the label after a restart would serve the wrong weights."""
+    async with await stack.client() as c, httpx.AsyncClient(base_url=url, timeout=120) as http:
+        turn = await c.acquire("v", wait=120)
+        (await http.post("/wake_up")).raise_for_status()
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(models / "base")}}
+        (await http.post("/collective_rpc", json=rpc)).raise_for_status()
+        (await http.post("/sleep", params={"level": 1})).raise_for_status()
+        await c.release("v", turn.turn, park="now")
+
+
 def check_order(calls: list[Call], killed_life: int) -> None:
-    """The dispatcher issue's order, per dispatcher life (module docstring)."""
-    lives = sorted({c.life for c in calls})
-    for life in lives:
+    """The dispatcher issue's order, per dispatcher life and per turn (module docstring)."""
+    for life in sorted({c.life for c in calls}):
         seq = [c for c in calls if c.life == life and not c.dropped]
+        where = f"life {life}"
         outside = [f"{c.method} {c.path}" for c in seq if not c.v_active]
-        assert not outside, f"life {life}: calls outside a turn of 'v': {outside}"
+        assert not outside, f"{where}: calls outside a turn of 'v': {outside}"
         # /resume on a slept vLLM would schedule on offloaded weights: the wake resumes.
-        assert all(c.path != "/resume" for c in seq), f"life {life}: /resume was sent"
-        awake = False
-        for i, c in enumerate(seq):
-            if c.path == "/wake_up":
-                awake = True
-            elif c.path == "/sleep":
-                awake = False
-            elif c.path.startswith("/v1/"):
-                assert awake, f"life {life}: a generation sent while vLLM slept (call {i})"
-            elif c.path == "/collective_rpc":
-                assert c.gens_in_flight == 0, f"life {life}: a load under a generation ({i})"
-                assert awake, f"life {life}: a load while asleep (call {i})"
-                rest = [x.path for x in seq[i + 1 :] if not x.path.startswith("/v1/")]
-                then = ["/update_weight_version", "/reset_prefix_cache", "/weight_info"]
-                if c.status == 200:
-                    assert rest[:3] == then, f"life {life}: load not whole: {rest[:3]}"
-                nxt = next((x for x in seq[i + 1 :] if x.path.startswith("/v1/")), None)
-                assert nxt is None or seq.index(nxt) > i + 3, f"life {life}: served mid-load"
-        if life != killed_life:
-            assert not awake, f"life {life}: ended with vLLM awake (no sleep at turn end)"
+        assert all(c.path != "/resume" for c in seq), f"{where}: /resume was sent"
+        # First sight: one bare finish, and a whole load before the first generation.
+        paths = [c.path for c in seq]
+        assert "/finish_weight_update" in paths[:2], f"{where}: no recovery first: {paths[:3]}"
+        first_gen = next(i for i, p in enumerate(paths) if p.startswith("/v1/"))
+        assert "/collective_rpc" in paths[:first_gen], f"{where}: served before any load"
+        turns = sorted({c.turn for c in seq if c.turn is not None})
+        for t in turns:
+            tseq = [c for c in seq if c.turn == t]
+            tw = f"{where} turn {t}"
+            awake = False
+            for i, c in enumerate(tseq):
+                if c.path == "/wake_up":
+                    awake = True
+                elif c.path == "/sleep":
+                    awake = False
+                elif c.path.startswith("/v1/"):
+                    assert awake, f"{tw}: a generation before the wake (call {i})"
+                elif c.path == "/collective_rpc":
+                    assert c.gens_in_flight == 0, f"{tw}: a load under a generation ({i})"
+                    assert awake, f"{tw}: a load while asleep (call {i})"
+                    after = tseq[i + 1 :]
+                    ctl = [x.path for x in after if not x.path.startswith("/v1/")]
+                    then = ["/update_weight_version", "/reset_prefix_cache", "/weight_info"]
+                    if c.status == 200:
+                        assert ctl[:3] == then, f"{tw}: load not whole: {ctl[:3]}"
+                    gens = [k for k, x in enumerate(after) if x.path.startswith("/v1/")]
+                    assert not gens or gens[0] >= 3, f"{tw}: served mid-load"
+            killed = life == killed_life and t == turns[-1]
+            if not killed:
+                assert tseq[-1].path == "/sleep", f"{tw}: ended without a sleep: {tseq[-1]}"
 
 
 def timings(calls: list[Call]) -> dict[str, dict[str, float]]:
@@ -290,6 +323,7 @@ async def test_dispatcher_and_launcher_around_a_real_vllm(models: Path) -> None:
                     return bool(v and v["state"] == "parked")
 
                 await stack.until(v_parked)
+                await swap_weights_behind_the_label(stack, vllm_url, models)
                 async with dispatcher(stack, purl, 2, px) as (d2, http2):
                     results = {sid: await result_of(http2, sid, timeout=300) for sid in ids}
                     st = (await http2.get("/status")).json()
@@ -297,27 +331,20 @@ async def test_dispatcher_and_launcher_around_a_real_vllm(models: Path) -> None:
                     d2.proc.send_signal(signal.SIGTERM)
                     assert await d2.wait() == 0, d2.output()
                 check_order(px.calls, killed_life=1)
-                wanted: dict[str, list[str]] = {}
-                for rev, prompt in ids.values():
-                    wanted.setdefault(rev, []).append(prompt)
-                direct = await direct_texts(stack, vllm_url, ckpt, wanted)
+                prompts = sorted({prompt for _, prompt in ids.values()})
+                direct = await direct_texts(stack, vllm_url, models, prompts)
+                for p in prompts:  # the revisions are told apart by every prompt used
+                    assert direct["rev-1", p] != direct["rev-2", p], (p, direct["rev-1", p])
                 for sid, (rev, prompt) in ids.items():
                     res = results[sid]
                     assert res["revision"] == rev, res
                     text = res["result"]["choices"][0]["text"]
-                    assert text == direct[rev, prompt], (
-                        sid,
-                        rev,
-                        prompt,
-                        text,
-                        direct[rev, prompt],
-                    )
-                assert len({direct["rev-1", "alpha 0"], direct.get(("rev-2", "alpha 0"))}) >= 1
+                    assert text == direct[rev, prompt], (sid, rev, prompt, text)
                 report = {
                     "calls": len(px.calls),
                     "timings": timings(px.calls),
                     "sequence": [
-                        f"{c.life} {'T' if c.v_active else '-'} {c.method} {c.path}"
+                        f"{c.life} {c.turn or '-'} {c.method} {c.path}"
                         f"{'?' + c.query if c.query else ''} {c.status}"
                         f"{' dropped' if c.dropped else ''}"
                         for c in px.calls

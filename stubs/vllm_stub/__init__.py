@@ -23,9 +23,10 @@ Stub-only additions
   ``--reload-seconds``, ``--fake-workload``, ``--fail-reload``, ``--hang-requests``.
 - ``POST /_stub/fault`` ``{"hang_requests": bool, "crash": bool, "fail_reload": bool}``
   (always registered): ``crash`` SIGKILLs the engine core; the server then answers 503
-  on /health for ~0.5 s and exits 1.
+  on /health for ~0.5 s and exits 0 (as vLLM 0.32 does when its engine dies).
 - Generated text is a deterministic function of (prompt token ids, weights identity,
-  weight_version label, seed, choice index): a word list picked by hash. The weights
+  seed, choice index): a word list picked by hash. The weight_version label is not the
+  content and does not change it (as in vLLM). The weights
   identity is ``revision.txt`` of the last reloaded checkpoint dir (else its basename);
   at boot that of MODEL (a dir) or the MODEL string itself.
 
@@ -36,7 +37,7 @@ Behaviour kept as real vLLM 0.32 shows it (so callers meet the same traps)
   failed: Worker failed with error '...', please check the stack trace above for the
   root cause" and leaves the weights broken: the next generation step kills the engine
   (500 "EngineCore encountered an issue. See stack trace (above) for the root cause.",
-  then the server exits 1, as after the ``crash`` fault). A successful reload before
+  then the server exits 0, as after the ``crash`` fault). A successful reload before
   that repairs them.
 - A request sent while asleep (any level) or paused with ``mode=keep`` is held until
   scheduling resumes; held before its first token it counts as neither

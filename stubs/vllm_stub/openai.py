@@ -35,9 +35,11 @@ from typing import Any
 
 from stubs.vllm_stub.engine import Engine, GenRequest, Seq
 from stubs.vllm_stub.errors import EngineError, error_body, invalid, validation
-from stubs.vllm_stub.textgen import WORDS, tokenize
+from stubs.vllm_stub.textgen import VOCAB_SIZE, WORDS, tokenize
 
 __all__ = ["SYSTEM_FINGERPRINT", "Job", "parse_chat", "parse_completion", "render", "stream"]
+
+MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 
 SYSTEM_FINGERPRINT = "vllm-0.33.0-stub"
 _INT64 = 2**63
@@ -246,6 +248,15 @@ def _parse(
         logprobs = (_int(body, "top_logprobs", 0) or 0) if _bool(body, "logprobs") else None
     else:
         logprobs = _int(body, "logprobs", None)
+    if logprobs:  # vLLM's --max-logprobs (default 20); -1 asks for the whole vocabulary
+        wanted = VOCAB_SIZE if logprobs == -1 else logprobs
+        if wanted > MAX_LOGPROBS:
+            raise validation(
+                f"Requested sample logprobs of {wanted}, which is greater than max allowed: "
+                f"{MAX_LOGPROBS}",
+                "logprobs",
+                wanted,
+            )
     key = (
         "max_completion_tokens"
         if chat and body.get("max_completion_tokens") is not None
@@ -340,7 +351,7 @@ def _parse(
         n=n,
         return_token_ids=return_token_ids,
         return_weight_versions=return_weight_versions,
-        logprobs=None if logprobs is None else (1 if logprobs == -1 else logprobs),
+        logprobs=logprobs,
         include_usage=include_usage,
         request_id=("chatcmpl-" if chat else "cmpl-") + rid,
         created=int(time.time()),
@@ -377,10 +388,18 @@ def _usage(job: Job, details: bool = True) -> dict[str, Any]:
     return usage
 
 
+def _top(token_id: int, k: int) -> list[tuple[str, float]]:
+    """The ``k`` most likely words at a position: the sampled one first (greedy, so it
+    is the top one), then fixed alternatives with lower logprobs."""
+    ids = [token_id] + [(token_id + j) % len(WORDS) for j in range(1, k)]
+    return [(" " + WORDS[t], -0.5 - j) for j, t in enumerate(ids)]
+
+
 def _logprobs(job: Job, seq: Seq, start: int, end: int, offset: int) -> dict[str, Any] | None:
     if job.logprobs is None:
         return None
-    words = [" " + WORDS[t] for t in seq.token_ids[start:end]]
+    ids = seq.token_ids[start:end]
+    words = [" " + WORDS[t] for t in ids]
     if job.chat:
         return {
             "content": [
@@ -388,10 +407,12 @@ def _logprobs(job: Job, seq: Seq, start: int, end: int, offset: int) -> dict[str
                     "token": w,
                     "logprob": -0.5,
                     "bytes": list(w.encode()),
-                    "top_logprobs": [{"token": w, "logprob": -0.5, "bytes": list(w.encode())}]
-                    * min(job.logprobs, 1),
+                    "top_logprobs": [
+                        {"token": a, "logprob": lp, "bytes": list(a.encode())}
+                        for a, lp in _top(t, job.logprobs)
+                    ],
                 }
-                for w in words
+                for t, w in zip(ids, words, strict=True)
             ]
         }
     offsets, pos = [], offset
@@ -402,7 +423,7 @@ def _logprobs(job: Job, seq: Seq, start: int, end: int, offset: int) -> dict[str
         "text_offset": offsets,
         "token_logprobs": [-0.5] * len(words),
         "tokens": words,
-        "top_logprobs": [{w: -0.5} for w in words] if job.logprobs else [None] * len(words),
+        "top_logprobs": [dict(_top(t, max(job.logprobs, 1))) for t in ids],
     }
 
 

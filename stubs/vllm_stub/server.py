@@ -4,7 +4,8 @@ Boot order (each step logged to stderr): start the engine-core child, let it all
 context, weights and KV cache (and sit through ``--boot-delay``) while SIGTERM is
 ignored, only then bind the port and log ``stub: healthy``. After that SIGTERM/SIGINT
 shut down cleanly (exit 0: the core frees its memory and exits); the core dying makes
-the server exit 1 after a short grace during which /health answers 503.
+the server exit after a short grace during which /health answers 503, with code 0, as
+vLLM 0.32's API server does when its engine core dies.
 """
 
 from __future__ import annotations
@@ -102,13 +103,11 @@ async def serve(cfg: Config) -> int:
                     stop.set()
 
         async def on_core_death() -> None:
-            nonlocal exit_code
             await link.dead.wait()
             if stop.is_set():
                 return
             log(f"engine core died (exit {link.returncode}); server exits")
-            engine.on_dead()
-            exit_code = 1
+            engine.on_dead()  # every request fails now: nothing left to drain
             await trio.sleep(DEAD_GRACE_S)
             stop.set()
 
