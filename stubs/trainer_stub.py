@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -71,57 +72,76 @@ def main(argv: list[str] | None = None) -> int:
     if (args.publish_url or args.weights_from) and not args.revisions_dir:
         p.error("--publish-url and --weights-from need --revisions-dir")
     nbytes = parse_size(args.bytes)
+    ws: _WorkingSet
     if args.device == "cuda":
-        return _cuda_main(args, nbytes)
-    ledger = Ledger()
-    pid = os.getpid()
+        ws = _CudaWorkingSet(nbytes)
+    else:
+        ws = _FakeWorkingSet(args.gpu, nbytes, args.workload)
+    return _run(args, ws)
+
+
+class _WorkingSet(Protocol):
+    def ensure(self) -> None: ...  # on the GPU (again) after a grant
+    def settle(self) -> None: ...  # the step's GPU work is done
+    def drop(self) -> None: ...  # freed by the trainer itself (cooperative park)
+
+
+class _FakeWorkingSet:
+    """The working set as memory of this pid in the fake GPU ledger."""
+
+    def __init__(self, gpu: int, nbytes: int, workload: str) -> None:
+        self.ledger, self.pid = Ledger(), os.getpid()
+        self.gpu, self.nbytes, self.workload = gpu, nbytes, workload
+
+    def ensure(self) -> None:
+        have = sum(m.on_device for m in self.ledger.processes(self.gpu) if m.pid == self.pid)
+        if have < self.nbytes:
+            self.ledger.alloc(
+                self.pid, self.gpu, self.nbytes - have, tag="weights", workload=self.workload
+            )
+
+    def settle(self) -> None:
+        pass
+
+    def drop(self) -> None:
+        self.ledger.free(self.pid)
+
+
+class _CudaWorkingSet:
+    """The working set as a real CUDA tensor (`--device cuda`; only this mode needs torch)."""
+
+    def __init__(self, nbytes: int) -> None:
+        import torch
+
+        self.torch, self.nbytes = torch, nbytes
+        self.held: object | None = None
+
+    def ensure(self) -> None:
+        if self.held is None:
+            self.held = self.torch.ones(self.nbytes, dtype=self.torch.uint8, device="cuda")
+
+    def settle(self) -> None:
+        self.torch.cuda.synchronize()
+
+    def drop(self) -> None:
+        self.held = None
+        self.torch.cuda.empty_cache()
+
+
+def _run(args: argparse.Namespace, ws: _WorkingSet) -> int:
+    """Take `--steps` turns with `ws` on the GPU in each; exit code 0 when all ran."""
     try:
         with Slicer(args.socket, args.workload) as s:
             if not args.no_register:
                 s.register(args.workload, gpu=args.gpu, park=args.park)
             for step in range(args.steps):
                 with s.turn(park=_release_mode(args, step)) as t:
-                    have = sum(m.on_device for m in ledger.processes(args.gpu) if m.pid == pid)
-                    if have < nbytes:
-                        ledger.alloc(
-                            pid, args.gpu, nbytes - have, tag="weights", workload=args.workload
-                        )
+                    ws.ensure()
                     print(f"step {step} turn {t.turn} restored={int(t.restored)}", flush=True)
                     time.sleep(args.work)  # the "training step"
+                    ws.settle()
                     if args.park == "cooperative":
-                        ledger.free(pid)
-                if args.revisions_dir is not None:
-                    _publish(args, f"rev-{step + 1}")
-                if args.pause > 0 and step + 1 < args.steps:
-                    time.sleep(args.pause)
-    except Faulted as e:
-        print(f"trainer_stub: FAULT: {e}", file=sys.stderr)
-        return 3
-    except (ClientError, PublishError) as e:
-        print(f"trainer_stub: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _cuda_main(args: argparse.Namespace, nbytes: int) -> int:
-    """The same loop with the working set as a real CUDA tensor (`--device cuda`)."""
-    import torch  # only this mode needs it
-
-    held: list[object] = []
-    try:
-        with Slicer(args.socket, args.workload) as s:
-            if not args.no_register:
-                s.register(args.workload, gpu=args.gpu, park=args.park)
-            for step in range(args.steps):
-                with s.turn(park=_release_mode(args, step)) as t:
-                    if not held:
-                        held.append(torch.ones(nbytes, dtype=torch.uint8, device="cuda"))
-                    print(f"step {step} turn {t.turn} restored={int(t.restored)}", flush=True)
-                    time.sleep(args.work)
-                    torch.cuda.synchronize()
-                    if args.park == "cooperative":
-                        held.clear()
-                        torch.cuda.empty_cache()
+                        ws.drop()
                 if args.revisions_dir is not None:
                     _publish(args, f"rev-{step + 1}")
                 if args.pause > 0 and step + 1 < args.steps:
