@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -57,10 +56,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make slicer/stubs importable
     sys.path.insert(0, str(ROOT))
 
+from bench.slicerd_proc import TOOL, die_with_parent  # noqa: E402
 from slicer.client import AsyncSlicer  # noqa: E402
 from stubs.fakegpu import Ledger, parse_size  # noqa: E402
 
-TOOL = str(ROOT / "stubs" / "cuda-checkpoint")
 TARGETS = {"added_p50_ms": 2.0, "throughput_ratio": 0.8, "bytes_per_token": 8.0}
 TOKENS_PER_S = 2000  # the stub's pace: a probe (max_tokens 1) generates for 0.5 ms
 KEEPER_S = 3.0  # one keeper generates this long; the next is sent KEEPER_S - 1 s later
@@ -88,12 +87,6 @@ def summary_ms(samples: list[float]) -> dict[str, float]:
 
 
 # ---- the processes -----------------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    """In a child, before exec: SIGTERM it if this benchmark dies (no orphans)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
 def _free_port() -> int:
@@ -124,7 +117,7 @@ class Env:
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=logf,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 start_new_session=session,
             )
 
@@ -142,7 +135,8 @@ class Env:
         return self.log(name).read_text(errors="replace")[-3000:]
 
 
-def _stop(proc: subprocess.Popen[bytes], timeout: float = 20) -> int:
+def stop_group(proc: subprocess.Popen[bytes], timeout: float = 20) -> int:
+    """SIGTERM; after ``timeout`` s SIGKILL its whole process group."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
@@ -220,7 +214,7 @@ def running(args: argparse.Namespace) -> Iterator[Env]:
     finally:
         for name in ("dispatcher", "launcher", "slicerd"):
             if name in e.procs:
-                e.rcs[name] = _stop(e.procs[name])
+                e.rcs[name] = stop_group(e.procs[name])
         e.rcs["orphans"] = len(orphans(base))
         shutil.rmtree(base, ignore_errors=True)
 
@@ -348,7 +342,7 @@ async def measure(e: Env, args: argparse.Namespace) -> dict[str, Any]:
 
         # 3 memory: a hog holds the GPU; prompts pile up in the dispatcher
         hog_pid = subprocess.Popen(
-            [sys.executable, "-c", "import time; time.sleep(600)"], preexec_fn=_die_with_parent
+            [sys.executable, "-c", "import time; time.sleep(600)"], preexec_fn=die_with_parent
         )
         try:
             async with await AsyncSlicer.connect(e.socket) as hog:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import itertools
 import json
 import math
@@ -58,10 +57,8 @@ if str(ROOT) not in sys.path:  # run as a script: make proto/slicer/stubs import
     sys.path.insert(0, str(ROOT))
 
 import proto  # noqa: E402
+from bench.slicerd_proc import start_fake_slicerd, stop  # noqa: E402
 from slicer.client import AsyncSlicer  # noqa: E402
-from stubs.fakegpu import Ledger, parse_size  # noqa: E402
-
-TOOL = str(ROOT / "stubs" / "cuda-checkpoint")
 
 TARGETS = {
     "handoff_p50_us": 250.0,
@@ -99,13 +96,6 @@ def summary(samples_ns: list[int], unit: float) -> dict[str, float | int]:
 # ---- the daemon --------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """In the daemon's child, before exec: SIGTERM it if this benchmark dies (no orphans)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Daemon:
     base: Path
@@ -121,79 +111,14 @@ def running_daemon(profile: str | None, log_level: str) -> Iterator[Daemon]:
     base = Path(tempfile.mkdtemp(prefix="slicer-bench-"))
     proc: subprocess.Popen[bytes] | None = None
     try:
-        gpu_dir = base / "gpu"
-        Ledger.init(gpu_dir, 1, parse_size("80GiB"))
-        sock = str(base / "slicer.sock")
-        notify_path = str(base / "notify")
-        env = {
-            **os.environ,
-            "FAKEGPU_DIR": str(gpu_dir),
-            "FAKEGPU_CC_LOG": str(base / "cc.log"),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            "NOTIFY_SOCKET": notify_path,
-        }
-        env.pop("SLICER_SOCKET", None)
-        prefix = [sys.executable]
-        if profile:
-            prefix += ["-m", "cProfile", "-o", os.path.abspath(profile)]
-        cmd = [
-            *prefix,
-            "-m",
-            "slicer.daemon",
-            "--socket",
-            sock,
-            "--gpu-backend",
-            "fake",
-            "--cuda-checkpoint",
-            TOOL,
-            "--state-dir",
-            str(base / "state"),
-            "--log-level",
-            log_level,
-        ]
-        log = base / "slicerd.log"
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
-            notify.bind(notify_path)
-            notify.settimeout(20)
-            with open(log, "ab") as logf:
-                proc = subprocess.Popen(
-                    cmd,
-                    cwd=ROOT,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=logf,
-                    stderr=logf,
-                    preexec_fn=_die_with_parent,
-                )
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    msg = notify.recv(4096)
-                except TimeoutError:
-                    msg = b""
-                if b"READY=1" in msg:
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"slicerd did not become ready (rc={proc.poll()}):\n"
-                        + log.read_text(errors="replace")[-3000:]
-                    )
+        proc, sock, log = start_fake_slicerd(base, 1, log_level, profile=profile)
         d = Daemon(base=base, socket=sock, proc=proc, log=log)
         yield d
-        d.rc = _stop(proc)
+        d.rc = stop(proc)
     finally:
         if proc is not None and proc.poll() is None:
-            _stop(proc)
+            stop(proc)
         shutil.rmtree(base, ignore_errors=True)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(timeout=10)
 
 
 # ---- a raw blocking connection -----------------------------------------------------------

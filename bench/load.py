@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import math
 import multiprocessing as mp
@@ -67,10 +66,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make proto/slicer/stubs importable
     sys.path.insert(0, str(ROOT))
 
+from bench.slicerd_proc import die_with_parent, start_fake_slicerd, stop  # noqa: E402
 from slicer.client import AsyncSlicer  # noqa: E402
-from stubs.fakegpu import Ledger, parse_size  # noqa: E402
 
-TOOL = str(ROOT / "stubs" / "cuda-checkpoint")
 MARKER = "load-end-marker"  # registered after the run: the watcher's cue that it has all
 SLEEPERS = 4
 MAX_KEPT = 20  # violation messages kept per kind (all are counted)
@@ -125,13 +123,6 @@ class Violations:
 # ---- processes ---------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """In a child, before exec: SIGTERM it when this benchmark dies (no orphans)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Daemon:
     base: Path
@@ -160,95 +151,35 @@ def running_daemon(args: argparse.Namespace) -> Iterator[Daemon]:
     proc: subprocess.Popen[bytes] | None = None
     sleepers: list[subprocess.Popen[bytes]] = []
     try:
-        gpu_dir = base / "gpu"
-        Ledger.init(gpu_dir, args.gpus, parse_size("80GiB"))
         cfg = base / "slicer.toml"
         cfg.write_text(_config_toml(args.connections, args.workloads))
-        sock = str(base / "slicer.sock")
-        notify_path = str(base / "notify")
-        env = {
-            **os.environ,
-            "FAKEGPU_DIR": str(gpu_dir),
-            "FAKEGPU_CC_LOG": str(base / "cc.log"),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            "NOTIFY_SOCKET": notify_path,
-        }
-        env.pop("SLICER_SOCKET", None)
-        prefix = [sys.executable]
-        if args.profile_daemon:  # stats are written when the daemon exits on SIGTERM
-            prefix += ["-m", "cProfile", "-o", os.path.abspath(args.profile_daemon)]
-        cmd = [
-            *prefix,
-            "-m",
-            "slicer.daemon",
-            "--config",
-            str(cfg),
-            "--socket",
-            sock,
-            "--gpu-backend",
-            "fake",
-            "--cuda-checkpoint",
-            TOOL,
-            "--state-dir",
-            str(base / "state"),
-            "--log-level",
+        proc, sock, log = start_fake_slicerd(
+            base,
+            args.gpus,
             args.log_level,
-        ]
-        log = base / "slicerd.log"
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
-            notify.bind(notify_path)
-            notify.settimeout(20)
-            with open(log, "ab") as logf:
-                proc = subprocess.Popen(
-                    cmd,
-                    cwd=ROOT,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=logf,
-                    stderr=logf,
-                    preexec_fn=_die_with_parent,
-                )
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    msg = notify.recv(4096)
-                except TimeoutError:
-                    msg = b""
-                if b"READY=1" in msg:
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"slicerd did not become ready (rc={proc.poll()}):\n"
-                        + log.read_text(errors="replace")[-3000:]
-                    )
+            extra_args=["--config", str(cfg)],
+            profile=args.profile_daemon,
+            ready_timeout=30,
+        )
         for _ in range(SLEEPERS):
             sleepers.append(
                 subprocess.Popen(
                     ["sleep", "86400"],
                     stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                 )
             )
         d = Daemon(base=base, socket=sock, proc=proc, log=log, sleepers=sleepers)
         yield d
-        d.rc = _stop(proc)
+        d.rc = stop(proc)
     finally:
         if proc is not None and proc.poll() is None:
-            _stop(proc)
+            stop(proc)
         for p in sleepers:
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=10)
         shutil.rmtree(base, ignore_errors=True)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(timeout=10)
 
 
 # ---- the watcher (its own process, so it always keeps up) ---------------------------------
