@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:  # run as a script: make proto/slicer/stubs import
     sys.path.insert(0, str(ROOT))
 
 import proto  # noqa: E402
-from bench.slicerd_proc import start_fake_slicerd, stop  # noqa: E402
+from bench.slicerd_proc import run_script, start_fake_slicerd, stop  # noqa: E402
 from slicer.client import AsyncSlicer  # noqa: E402
 
 TARGETS = {
@@ -597,11 +597,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except BaseExceptionGroup as eg:  # KeyboardInterrupt from inside trio's nurseries
-        if eg.split(KeyboardInterrupt)[1] is None:
-            sys.exit(130)
-        raise
+    run_script(main)

@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make proto/slicer/stubs importable
     sys.path.insert(0, str(ROOT))
 
-from bench.slicerd_proc import die_with_parent, start_fake_slicerd, stop  # noqa: E402
+from bench.slicerd_proc import die_with_parent, run_script, start_fake_slicerd, stop  # noqa: E402
 from slicer.client import AsyncSlicer  # noqa: E402
 
 MARKER = "load-end-marker"  # registered after the run: the watcher's cue that it has all
@@ -775,11 +775,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except BaseExceptionGroup as eg:  # KeyboardInterrupt from inside trio's nurseries
-        if eg.split(KeyboardInterrupt)[1] is None:
-            sys.exit(130)
-        raise
+    run_script(main)

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,3 +106,15 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 20) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait(timeout=10)
+
+
+def run_script(main: Callable[[], int]) -> None:
+    """Exit with ``main()``'s code; 130 on Ctrl-C, also when trio wrapped it in a group."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BaseExceptionGroup as eg:
+        if eg.split(KeyboardInterrupt)[1] is None:
+            sys.exit(130)
+        raise

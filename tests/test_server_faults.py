@@ -256,6 +256,19 @@ for line in sys.argv[2:]:
 SYSTEM_PYTHON = "/usr/bin/python3"  # the venv's interpreter may be unreachable for nobody
 
 
+def as_nobody(sock: str, *lines: str, group: int | None = None) -> list[str]:
+    """Send `lines` to slicerd as uid 65534 (gid `group` when given); its reply lines."""
+    out = subprocess.run(
+        [SYSTEM_PYTHON, "-c", UNPRIVILEGED, sock, *lines],
+        user=65534,
+        group=group,
+        capture_output=True,
+        timeout=30,
+        check=True,
+    )
+    return out.stdout.decode().splitlines()
+
+
 @pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason="needs /usr/bin/python3")
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as nobody")
 async def test_unprivileged_peer_cannot_touch_other_uids() -> None:
@@ -264,23 +277,13 @@ async def test_unprivileged_peer_cannot_touch_other_uids() -> None:
             root_pid = stack.sleeper()
             async with await stack.client() as reg:
                 await reg.register("rootjob", pid=root_pid)
-                out = subprocess.run(
-                    [
-                        SYSTEM_PYTHON,
-                        "-c",
-                        UNPRIVILEGED,
-                        stack.socket,
-                        f"REGISTER stolen pid={root_pid}",
-                        "ACQUIRE rootjob",
-                        "UNREGISTER rootjob",
-                        "PING",
-                    ],
-                    user=65534,
-                    capture_output=True,
-                    timeout=30,
-                    check=True,
-                ).stdout.decode()
-                lines = out.splitlines()
+                lines = as_nobody(
+                    stack.socket,
+                    f"REGISTER stolen pid={root_pid}",
+                    "ACQUIRE rootjob",
+                    "UNREGISTER rootjob",
+                    "PING",
+                )
                 assert lines[0].startswith("ERR forbidden")
                 assert lines[1].startswith("ERR forbidden")
                 assert lines[2].startswith("ERR not-registrant")
@@ -370,23 +373,13 @@ async def test_allow_group_lets_members_take_turns_but_not_register_others() -> 
             root_pid = stack.sleeper()
             async with await stack.client() as reg:
                 await reg.register("rootjob", pid=root_pid)
-                out = subprocess.run(
-                    [
-                        SYSTEM_PYTHON,
-                        "-c",
-                        UNPRIVILEGED,
-                        stack.socket,
-                        f"REGISTER stolen pid={root_pid}",
-                        "ACQUIRE rootjob",
-                        "RELEASE rootjob turn=1",
-                    ],
-                    user=65534,
+                lines = as_nobody(
+                    stack.socket,
+                    f"REGISTER stolen pid={root_pid}",
+                    "ACQUIRE rootjob",
+                    "RELEASE rootjob turn=1",
                     group=65534,
-                    capture_output=True,
-                    timeout=30,
-                    check=True,
-                ).stdout.decode()
-                lines = out.splitlines()
+                )
                 assert lines[0].startswith("ERR forbidden")
                 assert lines[1].startswith("OK turn=1")
                 assert lines[2].startswith("OK parked=0")
