@@ -71,10 +71,23 @@ class Stack:
                         if b"READY=1" in msg:
                             break
             except BaseException:
-                self.proc.kill()  # never leave a daemon behind a failed start
+                await self.reap()  # never leave a daemon behind a failed start
                 raise
             finally:
                 os.unlink(notify_path)
+
+    async def reap(self) -> None:
+        """SIGKILL slicerd (if it runs) and wait for it, bounded and even when cancelled:
+        a process object nobody waited for warns ``ResourceWarning: subprocess ... is
+        still running`` whenever it is collected, failing some later test."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.kill()
+        with trio.CancelScope(shield=True), trio.move_on_after(10):
+            await self.proc.wait()
+        if self.proc.poll() is not None:
+            self.proc = None
 
     async def stop(self, sig: int = signal.SIGTERM) -> int:
         """Stop slicerd with `sig`, wait for it (bounded), return its exit code."""
@@ -182,10 +195,7 @@ async def running_stack(
             print(stack.log.read_text()[-6000:])
         raise
     finally:
-        if stack.proc is not None:
-            stack.proc.kill()
-            with trio.move_on_after(10):
-                await stack.proc.wait()
+        await stack.reap()
         for p in stack.children:
             p.kill()
             p.wait(timeout=10)

@@ -103,7 +103,9 @@ async def spawn(
             for child in left:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     child.kill()
-            with trio.move_on_after(10):
+            # Shielded: even when the test is cancelled, the process is reaped (an
+            # unreaped one warns "subprocess ... is still running" in some later test).
+            with trio.CancelScope(shield=True), trio.move_on_after(10):
                 await proc.wait()
                 while not p.closed:
                     await p.changed.wait()

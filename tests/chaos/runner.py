@@ -34,6 +34,21 @@ its deadline plus `SETTLE_S`), then checks the invariants (`Report.violations`):
   and every process holding fake-GPU memory is alive and registered;
 - after teardown (SIGTERM to every unit, slicerd last) no process of the run is left
   (its pid, its environment marker, or the run's directory in its command line).
+
+Whatever happens to the run itself (an exception, a cancellation, its time limit), the
+cleanup (`_reap`) ends every process of the run, bounded (SIGCONT, SIGTERM to each unit's
+process group and to every marked process, SIGKILL after `TERM_S`), reaps every process
+object it started (no ``Popen`` or ``trio.Process`` outlives the run, so none can warn
+``ResourceWarning: subprocess ... is still running`` in a later test), unmounts the tmpfs
+and removes the directory.
+
+Disk budget: only the dispatcher's state dir is on the small tmpfs (when the mount
+works); everything the runner itself writes (unit logs, revisions, the fake GPU, slicerd's
+state) is in the run's directory on the ordinary temporary file system, so a full tmpfs
+never touches the runner's bookkeeping. The disk-full fault fills that tmpfs, and nothing
+else (it refuses to when the state dir is not a file system of its own), with unbuffered
+writes: no buffered tail is left to fail at ``close()`` (the cause of an
+``OSError(28, 'No space left on device')`` that used to end the run itself).
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,6 +84,13 @@ RESTART_S = 0.5  # systemd RestartSec
 SETTLE_S = 30.0  # past the last deadline, for the last results to come in
 STOP_S = 20.0  # a unit must end within this after SIGTERM
 GPU_CHECK_S = 15.0  # the GPU invariant may be transiently false this long
+RUN_LIMIT_S = 90.0  # a run's bound past its fault window and deadline (`run_scenario`)
+# The cleanup (`_reap`), whatever happened: bounded by about the sum of these.
+STRAY_S = 5.0  # after a clean teardown, for the last stragglers (cuda-checkpoint runs)
+TERM_S = 5.0  # SIGTERM (after SIGCONT) to whatever is left, then SIGKILL
+KILL_S = 5.0  # SIGKILL to gone (and reaped)
+REAP_S = STRAY_S + TERM_S + KILL_S + 10.0  # the whole cleanup, with margin
+FILL_CHUNK = 64 << 10
 
 FAULT_KINDS = (
     "kill-slicerd",
@@ -94,6 +117,47 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def fill_fs(path: Path) -> int:
+    """Fill the file system holding `path` (created anew) to its last byte; bytes written.
+
+    Unbuffered (``os.write``): a short write is simply counted, ENOSPC ends the filling
+    (after smaller writes for the last bytes), and no buffered tail is left behind whose
+    flush at ``close()`` would raise ENOSPC again. Any other error is raised."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    written = 0
+    size = FILL_CHUNK
+    chunk = b"\0" * size
+    try:
+        while size:
+            try:
+                n = os.write(fd, chunk[:size])
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                size //= 2
+                continue
+            if n == 0:
+                break
+            written += n
+    finally:
+        os.close(fd)
+    return written
+
+
+def separate_fs(path: Path, other: Path) -> bool:
+    """Whether `path` is on another file system than `other` (a mount of its own)."""
+    return os.stat(path).st_dev != os.stat(other).st_dev
+
+
+def describe(p: psutil.Process) -> str:
+    """pid:unit:command of a process of the run (for orphans and notes)."""
+    try:
+        unit = p.environ().get("CHAOS_UNIT")
+        return f"{p.pid}:{unit}:{' '.join(p.cmdline()[1:5])}"
+    except psutil.Error:
+        return f"{p.pid}:?"
 
 
 @dataclass
@@ -228,6 +292,7 @@ class Run:
         self.dstate.mkdir()
         self.tmpfs = False
         self.units: dict[str, Unit] = {}
+        self.popens: list[subprocess.Popen[bytes]] = []  # every unit process ever started
         self.sent: dict[str, Sent] = {}
         self.revisions: list[str] = []
         self.stopping = False
@@ -261,6 +326,9 @@ class Run:
             self.units[name] = Unit(name, argv, self.base / f"{name}.log")
 
     def start_unit(self, u: Unit) -> None:
+        """Start `u`'s main process in a session (process group) of its own."""
+        if self.stopping:
+            return
         with open(u.log, "ab") as f:
             f.write(f"---- chaos: start #{u.starts + 1} ----\n".encode())
             f.flush()
@@ -272,6 +340,7 @@ class Run:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        self.popens.append(u.proc)
         u.starts += 1
 
     def unit_procs(self, unit: str | None = None) -> list[psutil.Process]:
@@ -304,6 +373,47 @@ class Run:
                 left.append(f"{p.pid}:{' '.join(p.cmdline()[1:4])}")
                 p.kill()
         return left
+
+    def signal_all(self, sig: int) -> None:
+        """`sig` to every process of the run: each unit's process group (while its leader
+        is not reaped, so the group id cannot have been reused), slicerd, and every
+        process carrying the run's marker (the launcher's vLLM runs in a session of its
+        own, slicerd's cuda-checkpoint runs in slicerd's)."""
+        for p in self.popens:
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, sig)
+        if self.stack.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.stack.proc.send_signal(sig)  # polls first: never a reused pid
+        for q in self.unit_procs():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                q.send_signal(sig)
+
+    def alive(self) -> list[str]:
+        """What of the run still runs (reaping the processes we started that ended)."""
+        left = [describe(q) for q in self.unit_procs()]
+        left += [f"{p.pid}:main" for p in self.popens if p.poll() is None]
+        if self.stack.proc is not None and self.stack.proc.poll() is None:
+            left.append(f"{self.stack.proc.pid}:slicerd")
+        return left
+
+    async def end_all(self) -> list[str]:
+        """End every process of the run, bounded: SIGCONT (a stopped process cannot act
+        on SIGTERM) and SIGTERM, after `TERM_S` SIGKILL, then up to `KILL_S` until none is
+        left. What is still there after that (empty: nothing)."""
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            self.signal_all(sig)
+        with trio.move_on_after(TERM_S):
+            while self.alive():
+                await trio.sleep(0.1)
+        if not self.alive():
+            return []
+        self.signal_all(signal.SIGKILL)
+        with trio.move_on_after(KILL_S):
+            while self.alive():
+                await trio.sleep(0.1)
+        return self.alive()
 
     async def supervise(self, u: Unit) -> None:
         """Start `u`; whenever its main process ends, clean the unit up and restart it."""
@@ -575,18 +685,17 @@ class Run:
         """Fill the dispatcher's tmpfs; send big requests meanwhile; then free it."""
         if not self.tmpfs:
             return False
+        if not separate_fs(self.dstate, self.base):
+            self.report.notes.append(f"disk-full: {self.dstate} is no file system of its own")
+            return False
         filler = self.dstate / "filler"
         self.disk_full = True
         try:
-            with open(filler, "wb") as f:
-                chunk = b"\0" * (64 << 10)
-                try:
-                    while True:
-                        f.write(chunk)
-                        f.flush()
-                except OSError as e:
-                    if e.errno != errno.ENOSPC:
-                        raise
+            try:
+                await trio.to_thread.run_sync(fill_fs, filler)
+            except OSError as e:  # not ENOSPC: a fault that could not be made
+                self.report.notes.append(f"disk-full: filling {filler} failed: {e!r}")
+                return False
             # Requests that do not fit must be refused with a clear 507, the others kept.
             async with httpx.AsyncClient(base_url=self.durl, timeout=30) as http:
                 end = trio.current_time() + hold
@@ -595,8 +704,10 @@ class Run:
                     await self.submit(http, big=True)
                     await trio.sleep(0.05 if self.report.refused["507"] == before else 0.3)
         finally:
-            with contextlib.suppress(OSError):
-                filler.unlink()
+            try:
+                filler.unlink(missing_ok=True)
+            except OSError as e:
+                self.report.notes.append(f"disk-full: removing {filler} failed: {e!r}")
             self.disk_full = False
         return True
 
@@ -770,12 +881,35 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
         ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
         capture_output=True,
         check=False,
+        timeout=30,
     )
     return r.returncode == 0
 
 
-async def run_scenario(sc: Scenario, log: Callable[[str], None] = print) -> Report:
-    """Run `sc` from a fresh directory to a checked teardown; its report."""
+def _unmount(path: Path) -> str | None:
+    """Unmount the tmpfs at `path` (lazily: nothing of the run holds it any more); why
+    not, or None."""
+    try:
+        r = subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False,
+                           timeout=30)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return repr(e)
+    if r.returncode != 0 and os.path.ismount(path):
+        return r.stderr.decode(errors="replace").strip()
+    return None
+
+
+async def run_scenario(
+    sc: Scenario, log: Callable[[str], None] = print, limit: float | None = None
+) -> Report:
+    """Run `sc` from a fresh directory to a checked teardown; its report.
+
+    The run is bounded by `limit` (default: its fault window + deadline + `RUN_LIMIT_S`).
+    An error of the run itself, or the limit, is a violation; either way every process of
+    the run is ended and reaped (`_reap`, bounded by about `REAP_S`) before the report is
+    logged and returned. A cancellation from outside is raised after the same cleanup."""
+    if limit is None:
+        limit = sc.duration + sc.deadline + RUN_LIMIT_S
     t0 = time.monotonic()
     report = Report(sc.name, sc.seed)
     plan = sc.plan()
@@ -804,6 +938,30 @@ async def run_scenario(sc: Scenario, log: Callable[[str], None] = print) -> Repo
     args += ["--park-timeout", "8", "--restore-timeout", "8", "--fault-kill-after", "3"]
     stack = Stack(base=base, socket=sock, env=env, ledger=Ledger(base / "gpu"), args=args)
     run = Run(sc, stack, report)
+    clean = False
+    try:
+        with trio.move_on_after(limit) as scope:
+            await _drive(run, plan)
+            clean = True
+        if scope.cancelled_caught:
+            report.violate(f"the run did not end within its limit of {limit:g} s")
+    except Exception as e:
+        report.violate(f"the run itself failed: {e!r}")
+        report.notes.append("".join(traceback.format_exception(e))[-4000:])
+    except BaseException as e:
+        report.violate(f"the run was interrupted: {e!r}")
+        raise
+    finally:
+        with trio.CancelScope(shield=True):
+            await _reap(run, report, clean)
+        report.seconds = time.monotonic() - t0
+        log(report.text())
+    return report
+
+
+async def _drive(run: Run, plan: list[Fault]) -> None:
+    """The run proper: the stack, clients and faults, settling, checks, teardown."""
+    sc, stack, report = run.sc, run.stack, run.report
     if "disk-full" in {f.kind for f in plan}:
         # Far more than SQLite's WAL grows to by itself (1000 pages, ~4 MiB, before a
         # checkpoint): only the fault's filler may fill it.
@@ -811,74 +969,100 @@ async def run_scenario(sc: Scenario, log: Callable[[str], None] = print) -> Repo
         if not run.tmpfs:
             report.notes.append("no tmpfs (mount failed): disk-full faults skipped")
     run.define_units()
-    try:
-        await stack.start()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run.supervise_slicerd)
-            for u in run.units.values():
-                nursery.start_soon(run.supervise, u)
-            await wait_ready(run)
-            async with httpx.AsyncClient(base_url=run.durl, timeout=30) as http:
-                await run.publish(http, 0)
-                async with trio.open_nursery() as faults:
-                    faults.start_soon(run.publisher, http)
-                    faults.start_soon(run.clients, http)
-                    for f in plan:
-                        faults.start_soon(run.inject, f)
-                    await trio.sleep(sc.duration)
-                    run.faults_over = True
-                # every fault is over; everything gets a bounded time to settle
-                await run.settle(http)
-                await run.check_gpu()
-            report.overlaps = stack.overlaps()
-            if report.overlaps:
-                report.violate(f"{report.overlaps} overlaps: {stack.ledger.overlap_log()}")
-            await run.teardown()
-            nursery.cancel_scope.cancel()
-    except BaseException as e:
-        report.violate(f"the run itself failed: {e!r}")
-        run.stopping = True
-        if not isinstance(e, Exception):
-            raise
-    finally:
-        with trio.CancelScope(shield=True):
-            await _reap(run, report)
-        report.seconds = time.monotonic() - t0
-    log(report.text())
-    return report
+    await stack.start()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run.supervise_slicerd)
+        for u in run.units.values():
+            nursery.start_soon(run.supervise, u)
+        await wait_ready(run)
+        async with httpx.AsyncClient(base_url=run.durl, timeout=30) as http:
+            await run.publish(http, 0)
+            async with trio.open_nursery() as faults:
+                faults.start_soon(run.publisher, http)
+                faults.start_soon(run.clients, http)
+                for f in plan:
+                    faults.start_soon(run.inject, f)
+                await trio.sleep(sc.duration)
+                run.faults_over = True
+            # every fault is over; everything gets a bounded time to settle
+            await run.settle(http)
+            await run.check_gpu()
+        report.overlaps = stack.overlaps()
+        if report.overlaps:
+            report.violate(f"{report.overlaps} overlaps: {stack.ledger.overlap_log()}")
+        await run.teardown()
+        nursery.cancel_scope.cancel()
 
 
-async def _reap(run: Run, report: Report) -> None:
-    """No process of the run may outlive its teardown: wait a little, then kill and
-    report whatever is left (cuda-checkpoint runs get a few seconds to finish)."""
+async def _reap(run: Run, report: Report, clean: bool) -> None:
+    """No process of the run outlives it, whatever happened (bounded, about `REAP_S`).
+
+    After a `clean` teardown the run's processes get `STRAY_S` to finish (cuda-checkpoint
+    runs); whatever is left then is an orphan (a violation). After a failed or cut-short
+    run nothing was torn down: everything is simply ended. Either way `Run.end_all`
+    (SIGCONT, SIGTERM, SIGKILL, bounded), then every process object we started is reaped,
+    the tmpfs unmounted, a failed run's logs kept and the directory removed."""
     run.stopping = True
-    with trio.move_on_after(5):
-        while run.unit_procs():
-            await trio.sleep(0.2)
-    left = run.unit_procs()
-    for p in left:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            desc = f"{p.pid}:{p.environ().get('CHAOS_UNIT')}:{' '.join(p.cmdline()[1:5])}"
-            report.orphans.append(desc)
-            p.kill()
-    if left and not any("the run itself failed" in v for v in report.violations):
-        report.violate(f"orphan processes after teardown: {report.orphans}")
-    if run.stack.proc is not None:
-        run.stack.proc.kill()
-    for u in run.units.values():
-        if u.proc is not None and u.proc.poll() is None:
-            u.proc.kill()
-            u.proc.wait(timeout=10)
-    if run.tmpfs:
-        subprocess.run(["umount", "-l", str(run.dstate)], check=False)
-    if report.violations:
-        keep = Path(tempfile.gettempdir()) / f"chaos-logs-{report.scenario}-{report.seed}"
+    try:
+        if clean:
+            with trio.move_on_after(STRAY_S):
+                while run.unit_procs():
+                    await trio.sleep(0.2)
+            report.orphans = [describe(p) for p in run.unit_procs()]
+            if report.orphans:
+                report.violate(f"orphan processes after teardown: {report.orphans}")
+        else:
+            left = [describe(p) for p in run.unit_procs()]
+            if left:
+                report.notes.append(f"ended after the failed run: {left}")
+        survivors = await run.end_all()
+        if survivors:
+            report.violate(f"processes that survived SIGKILL for {KILL_S:g} s: {survivors}")
+    finally:
+        _reap_objects(run, report)
+        if run.stack.proc is not None:
+            with trio.move_on_after(KILL_S):
+                await run.stack.proc.wait()  # also closes its pidfd
+            if run.stack.proc.poll() is None:
+                report.violate(f"slicerd {run.stack.proc.pid} was not reaped")
+            else:
+                run.stack.proc = None
+        if run.tmpfs and (why := _unmount(run.dstate)):
+            report.notes.append(f"umount {run.dstate}: {why}")
+        for name, u in run.units.items():
+            report.exits.setdefault(name, u.exits)
+        if report.violations:
+            _keep_logs(run, report)
+        shutil.rmtree(run.base, ignore_errors=True)
+
+
+def _reap_objects(run: Run, report: Report) -> None:
+    """SIGKILL (when still running) and wait for every process object we started."""
+    for p in run.popens:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            try:
+                p.wait(timeout=KILL_S)
+            except subprocess.TimeoutExpired:
+                report.violate(f"{p.pid} {p.args!r} was not reaped")
+    if run.stack.proc is not None and run.stack.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            run.stack.proc.kill()
+
+
+def _keep_logs(run: Run, report: Report) -> None:
+    """Copy the run's logs to a fixed place (best effort: the cleanup goes on)."""
+    keep = Path(tempfile.gettempdir()) / f"chaos-logs-{report.scenario}-{report.seed}"
+    try:
         shutil.rmtree(keep, ignore_errors=True)
         keep.mkdir()
         for log in run.base.glob("*.log"):
             shutil.copy(log, keep / log.name)
+    except OSError as e:
+        report.notes.append(f"keeping the logs in {keep} failed: {e!r}")
+    else:
         report.notes.append(f"logs kept in {keep}")
-    shutil.rmtree(run.base, ignore_errors=True)
 
 
 def summary_table(reports: list[Report]) -> str:

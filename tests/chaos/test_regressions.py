@@ -7,7 +7,6 @@ test turns into a failure (XPASS) the moment the fix lands: then drop the marker
 from __future__ import annotations
 
 import contextlib
-import errno
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import httpx
 import pytest
 import trio
 
-from tests.chaos.runner import free_port
+from tests.chaos.runner import fill_fs, free_port
 from tests.harness import running_stack
 
 pytestmark = pytest.mark.integration
@@ -49,14 +48,7 @@ def tmpfs(size: str) -> Iterator[Path]:
 def fill(directory: Path) -> Path:
     """Fill the file system of `directory` to the last byte; the filler file."""
     filler = directory / "filler"
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (64 << 10))
-                f.flush()
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
+    fill_fs(filler)  # unbuffered: no ENOSPC left over for close()
     return filler
 
 
@@ -71,7 +63,9 @@ async def test_a_request_past_its_deadline_fails_even_while_the_state_disk_is_fu
             argv += ["--replica", "http://127.0.0.1:9", "--socket", stack.socket]
             argv += ["--state-dir", str(state), "--listen", f"127.0.0.1:{port}"]
             argv += ["--sample-deadline", "3"]
-            d = subprocess.Popen(argv, env=stack.env, stderr=subprocess.PIPE)
+            # Its log goes to a file: a pipe nobody reads fills up and blocks it.
+            log = open(stack.base / "dispatcher.log", "wb")  # noqa: SIM115 (closed below)
+            d = subprocess.Popen(argv, env=stack.env, stdout=log, stderr=subprocess.STDOUT)
             try:
                 async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
                     while True:  # until it listens
@@ -79,7 +73,9 @@ async def test_a_request_past_its_deadline_fails_even_while_the_state_disk_is_fu
                             if (await http.get("/status")).status_code == 200:
                                 break
                         await trio.sleep(0.2)
-                    path = stack.base / "ckpt"
+                    path = stack.base / "ckpt"  # a checkpoint: a directory with a file
+                    path.mkdir()
+                    (path / "revision.txt").write_text("r1")
                     r = await http.post("/v1/revisions", json={"revision": "r1", "path": str(path)})
                     assert r.status_code == 201, r.text
                     r = await http.post("/v1/samples", json={"prompt": "x", "max_tokens": 4})
@@ -94,6 +90,10 @@ async def test_a_request_past_its_deadline_fails_even_while_the_state_disk_is_fu
                     # with `deadline exceeded: ...`". It is still "pending" here.
                     assert body["status"] == "failed", body
                     assert body["error"].startswith("deadline exceeded"), body
+            except BaseException:
+                print("---- dispatcher log (tail) ----")
+                print((stack.base / "dispatcher.log").read_text(errors="replace")[-6000:])
+                raise
             finally:
                 d.send_signal(signal.SIGTERM)
                 try:
@@ -101,5 +101,4 @@ async def test_a_request_past_its_deadline_fails_even_while_the_state_disk_is_fu
                 except subprocess.TimeoutExpired:
                     d.kill()
                     d.wait(timeout=10)
-                if d.stderr is not None:
-                    d.stderr.close()
+                log.close()
