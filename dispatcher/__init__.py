@@ -5,4 +5,6 @@ store    the durable pending queue and results (SQLite, WAL)
 core     pure rules: request validation, the body sent to vLLM, the commit rule,
          which revision next, when a turn ends
 vllm     the bounded async client of one vLLM replica
+checkpoint  what a publishable checkpoint directory is (checked at publish)
+owner    one dispatcher per state dir (an exclusive lock holding the owner's pid)
 """

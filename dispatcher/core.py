@@ -66,6 +66,7 @@ __all__ = [
     "ParsedBody",
     "TurnPlan",
     "commit_ok",
+    "lone_surrogate",
     "next_revision",
     "parse_body",
     "parse_model",
@@ -123,7 +124,7 @@ def _parse_prompt(prompt: object, max_tokens: int, max_bytes: int) -> array.arra
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("prompt must not be empty")
-        text = prompt.encode("utf-8", "surrogatepass")
+        text = prompt.encode("utf-8")  # lone surrogates were refused by parse_body
         if len(text) > max_bytes:
             raise BadRequest(
                 f"prompt is {len(text)} bytes of UTF-8 text, more than the limit of {max_bytes}"
@@ -166,6 +167,61 @@ def _parse_messages(messages: object, max_bytes: int) -> bytes:
     return packed
 
 
+_Path = tuple[Any, str | int] | None  # (parent path, key or index); None: the body
+_NESTED = (str, list, dict)
+
+
+def _surrogate_at(text: str) -> int | None:
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def lone_surrogate(value: object) -> str | None:
+    """Where ``value`` (parsed JSON) holds a lone UTF-16 surrogate, or None if nowhere.
+
+    JSON escapes such as ``"\\ud800"`` parse into Python strings that no UTF-8 encoder
+    accepts, so such a request could never be sent to vLLM. The answer names the first
+    field at fault in document order (``prompt``, ``user``, ``messages[0].content``, or
+    ``a key of logit_bias``) and the offset of the surrogate in it.
+    """
+    # Iterative, and a path is a chain of (parent, step) links spelled out only for the
+    # field at fault: a token list of 32k ints costs no strings.
+    todo: list[tuple[_Path, object]] = [(None, value)]
+    while todo:
+        where, v = todo.pop()
+        if isinstance(v, str):
+            at = _surrogate_at(v)
+            if at is not None:
+                return f"{_spell(where)} (offset {at})"
+        elif isinstance(v, dict):
+            for k in v:
+                at = _surrogate_at(k)
+                if at is not None:
+                    return f"a key of {_spell(where)} (offset {at})"
+            kids = [((where, k), x) for k, x in v.items() if isinstance(x, _NESTED)]
+            todo += reversed(kids)
+        elif isinstance(v, list):
+            kids = [((where, i), x) for i, x in enumerate(v) if isinstance(x, _NESTED)]
+            todo += reversed(kids)
+    return None
+
+
+def _spell(path: _Path) -> str:
+    steps: list[str | int] = []
+    while path is not None:
+        path, step = path
+        steps.append(step)
+    out = ""
+    for step in reversed(steps):
+        out += f"[{step}]" if isinstance(step, int) else (f".{step}" if out else step)
+    return out or "the body"
+
+
 def _check_params(kind: str, body: dict[str, Any]) -> None:
     for field in ("max_tokens", "max_completion_tokens"):
         v = body.get(field)
@@ -204,7 +260,8 @@ def parse_body(
 ) -> ParsedBody:
     """Validate an OpenAI request body of ``kind`` ("completion" or "chat").
 
-    Raises :class:`BadRequest` naming the field at fault. The returned ``params`` are
+    Raises :class:`BadRequest` naming the field at fault (any string of the body, keys
+    too, with a lone surrogate: :func:`lone_surrogate`). The returned ``params`` are
     the body minus prompt/messages, ``stream``/``stream_options``, ``model``,
     ``revision`` and ``return_weight_versions`` (the dispatcher sets those itself).
     """
@@ -212,6 +269,12 @@ def parse_body(
         raise BadRequest(f"kind must be one of {KINDS}, got {kind!r:.50}")
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    bad = lone_surrogate(body)
+    if bad is not None:
+        raise BadRequest(
+            f"{bad} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its "
+            "pair), which is not valid Unicode text"
+        )
     _check_params(kind, body)
     prompt: array.array[int] | bytes | None = None
     messages: bytes | None = None
@@ -238,7 +301,7 @@ def request_body(p: Pending, model: str) -> dict[str, Any]:
     elif isinstance(p.prompt, array.array):
         body["prompt"] = p.prompt.tolist()
     elif p.prompt is not None:
-        body["prompt"] = p.prompt.decode("utf-8", "surrogatepass")
+        body["prompt"] = p.prompt.decode("utf-8")
     body["model"] = model
     body["return_weight_versions"] = True
     body["stream"] = False

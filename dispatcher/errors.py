@@ -15,6 +15,7 @@ __all__ = [
     "DispatchError",
     "NotFound",
     "ReplicaError",
+    "StateInUse",
     "StoreError",
     "StoreFull",
     "UnknownRevision",
@@ -59,3 +60,7 @@ class StoreError(DispatchError):
 
 class StoreFull(StoreError):
     """The disk holding the store is full; the request was not journaled."""
+
+
+class StateInUse(DispatchError):
+    """Another dispatcher owns the state directory (its lock is held)."""

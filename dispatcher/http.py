@@ -19,20 +19,27 @@ Routes
     Long-poll (default 30 s, at most 300): ``{"id", "status", "revision", "pool"}`` plus
     ``"result"`` (done) or ``"error"`` (failed).
 ``POST /v1/revisions`` ``{"revision", "path"}``
-    Publish weights; 201 when new, 200 when the same pair was published before.
+    Publish weights; 201 when new, 200 when the same pair was published before; 400 when
+    ``path`` is not a readable checkpoint directory (:mod:`dispatcher.checkpoint`).
     ``GET /v1/revisions`` lists them.
 ``GET /status`` (JSON), ``GET /metrics`` (Prometheus text).
 
 Errors are ``{"error": {"message", "type", "code"}}``, mapped from the dispatcher's
-error classes in one place (:data:`ERROR_MAP`): malformed JSON and invalid fields 400,
-an unknown revision 404 (like vLLM's unknown model), an unknown sample 404, a body over
-``MAX_BODY_BYTES`` 413, a missed deadline 504, a full disk 507, a store failure 503. A
-refused request is never journaled.
+error classes in one place (:data:`ERROR_MAP`): malformed JSON (NaN and Infinity
+included) and invalid fields (a string with a lone surrogate included) 400, an unknown
+revision 404 (like vLLM's unknown model), an unknown sample 404, a body over
+``MAX_BODY_BYTES`` 413 (checked while the body streams in), a missed deadline 504, a
+full disk 507, a store failure (a damaged database included) 503, anything unexpected
+500 (logged with its traceback; the front keeps serving). A refused request is never
+journaled. A sample that failed answers by its error: a missed deadline 504, a revision
+that could not be loaded 502, a request that could not be sent 500, a refusal by vLLM
+400.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -42,7 +49,7 @@ import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -56,6 +63,7 @@ from dispatcher.errors import (
     StoreFull,
     UnknownRevision,
 )
+from dispatcher.serve import LOAD_FAILED, SEND_FAILED
 from dispatcher.store import Result
 from dispatcher.turns import TurnLoop
 
@@ -67,6 +75,8 @@ __all__ = [
     "render_metrics",
     "serve_http",
 ]
+
+log = logging.getLogger("dispatcher.http")
 
 MAX_BODY_BYTES = 64 << 20
 MAX_WAIT_S = 300.0
@@ -109,23 +119,50 @@ def error_response(exc: DispatchError) -> JSONResponse:
     )
 
 
-async def _json_object(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise _TooLarge(f"request body is {len(raw)} bytes, more than {MAX_BODY_BYTES}")
+async def _read_body(request: Request) -> bytes:
+    """The whole body, refused (413) as soon as it passes ``MAX_BODY_BYTES``: a declared
+    ``Content-Length`` is checked before reading, a chunked body while it streams in, so
+    an oversized body never sits in memory."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _TooLarge(f"request body is {declared} bytes, more than {MAX_BODY_BYTES}")
+    buf = bytearray()
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"malformed JSON body: {e}") from None
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > MAX_BODY_BYTES:
+                raise _TooLarge(f"request body is more than {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:
+        raise BadRequest("the client went away before its request body was whole") from None
+    return bytes(buf)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await _read_body(request)
+    try:
+        # NaN/Infinity are not JSON: vLLM's client side (httpx) refuses to send them.
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise BadRequest(f"malformed JSON body: {what}") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
 def _failure(result: Result) -> DispatchError:
+    """The error class a failed sample answers with, from its stored error text."""
     text = result.error or "failed"
     if text.startswith("deadline exceeded"):
         return DeadlineExceeded(text)
+    if text.startswith(LOAD_FAILED):
+        return ReplicaError(text)  # the revision's weights could not be loaded: 502
+    if text.startswith(SEND_FAILED):
+        return DispatchError(text)  # the dispatcher could not send it: 500
     return BadRequest(text)
 
 
@@ -258,6 +295,10 @@ def build_app(loop: TurnLoop) -> Starlette:
                 return await fn(request)  # type: ignore[no-any-return]
             except DispatchError as e:
                 return error_response(e)
+            except Exception as e:
+                # A bug must cost one request its answer, never the front a worker.
+                log.exception("%s %s failed", request.method, request.url.path)
+                return error_response(DispatchError(f"internal error: {type(e).__name__}: {e}"))
 
         return wrapped
 
@@ -298,6 +339,10 @@ def render_metrics(loop: TurnLoop) -> str:
     metric("loads_total", "counter", "Whole weight loads done.", [("", c.loads)])
     metric("load_failures_total", "counter", "Weight loads that broke.", [("", c.load_failures)])
     metric("sends_total", "counter", "Requests sent to the replica.", [("", c.sends)])
+    metric("send_errors_total", "counter", "Sends ended by an unexpected error.",
+           [("", c.send_errors)])  # fmt: skip
+    damaged = 1.0 if st["store"]["damaged"] else 0.0
+    metric("store_damaged", "gauge", "1 while the store's database is damaged.", [("", damaged)])
     metric("commits_total", "counter", "Results committed.", [("", c.commits)])
     metric("expired_total", "counter", "Requests failed by deadline.", [("", c.expired)])
     rejects = [(f'reason="{r}"', float(n)) for r, n in sorted(c.rejects.items())]

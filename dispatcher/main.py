@@ -2,7 +2,8 @@
 
     slicer-dispatch --workload sampler --replica http://127.0.0.1:8000 \\
         [--socket S] [--state-dir D] [--pool NAME] [--listen HOST:PORT | --listen-unix PATH]
-        [--weight-check spans|label]
+        [--weight-check spans|label] [--max-send-errors N] [--max-load-failures N]
+        [--no-check-revision-paths]
 
 ``--weight-check`` says how a result is tied to the weights it asked for (the commit
 rule in :mod:`dispatcher.core`): ``spans`` (default) needs vLLM 0.33 or later, which
@@ -13,6 +14,10 @@ check is weaker (a weight change undone during a request goes unseen, and it tru
 nothing else loads weights into the replica during a turn). With ``spans`` against a vLLM
 that returns no ``weight_versions`` nothing is ever committed; the dispatcher logs one
 error saying so and ``/status`` shows the rule in use as ``weight_check``.
+
+One dispatcher per state dir: it takes an exclusive lock on ``STATE_DIR/dispatch.lock``
+(holding its pid) before it opens the store; a second one on the same dir exits 1 with
+one line naming the owner's pid (:mod:`dispatcher.owner`).
 
 SIGTERM/SIGINT: stop accepting, end a held turn (sleep vLLM, RELEASE, both bounded),
 exit 0. Prints ``listening on ...`` to stderr once the front is bound.
@@ -33,6 +38,8 @@ import trio
 from dispatcher.core import WEIGHT_CHECKS
 from dispatcher.errors import DispatchError
 from dispatcher.http import build_app, serve_http
+from dispatcher.owner import StateLock
+from dispatcher.serve import MAX_LOAD_FAILURES, MAX_SEND_ERRORS
 from dispatcher.store import Store
 from dispatcher.turns import TurnConfig, TurnLoop
 from dispatcher.vllm import Replica
@@ -89,6 +96,13 @@ def _bind(listen: str | None, listen_unix: str | None) -> str:
     "weight_versions (vLLM >= 0.33); 'label' checks GET /weight_info after each response, "
     "for vLLM releases that ignore return_weight_versions (e.g. 0.32; a weaker check)",
 )
+@click.option("--max-send-errors", type=click.IntRange(1), default=MAX_SEND_ERRORS,
+              show_default=True, help="unexpected send errors before a request fails")  # fmt: skip
+@click.option("--max-load-failures", type=click.IntRange(1), default=MAX_LOAD_FAILURES,
+              show_default=True, help="refused loads until a revision's requests fail")  # fmt: skip
+@click.option("--check-revision-paths/--no-check-revision-paths", default=True,
+              show_default=True, help="publish only readable checkpoint dirs (off: the "
+              "replica's file system is not this one's)")  # fmt: skip
 @click.option("--log-level", default="info", show_default=True)
 def main(
     workload: str,
@@ -104,6 +118,9 @@ def main(
     sample_deadline: float,
     concurrency: int,
     weight_check: str,
+    max_send_errors: int,
+    max_load_failures: int,
+    check_revision_paths: bool,
     log_level: str,
 ) -> None:
     """Hold sampling requests durably and serve them in the replica's GPU turns."""
@@ -114,26 +131,36 @@ def main(
     )
     for name in ("httpx", "httpcore", "hypercorn"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    bind = _bind(listen, listen_unix)
-    cfg = TurnConfig(
-        workload=workload,
-        socket=socket_path,
-        model=model,
-        turn_seconds=turn_seconds,
-        turn_grace=turn_grace,
-        sample_deadline=sample_deadline,
-        concurrency=concurrency,
-        weight_check=weight_check,
-    )
-    log.info("weight check: %s", weight_check)
     try:
-        store = Store(state_dir, pool or workload)
+        lock = StateLock.acquire(state_dir)  # before _bind: it may unlink the owner's socket
     except DispatchError as e:
         raise click.ClickException(str(e)) from e
     try:
-        trio.run(_run, store, replica_url, cfg, bind)
+        bind = _bind(listen, listen_unix)
+        cfg = TurnConfig(
+            workload=workload,
+            socket=socket_path,
+            model=model,
+            turn_seconds=turn_seconds,
+            turn_grace=turn_grace,
+            sample_deadline=sample_deadline,
+            concurrency=concurrency,
+            weight_check=weight_check,
+            max_send_errors=max_send_errors,
+            max_load_failures=max_load_failures,
+            check_revision_paths=check_revision_paths,
+        )
+        log.info("weight check: %s", weight_check)
+        try:
+            store = Store(state_dir, pool or workload)
+        except DispatchError as e:
+            raise click.ClickException(str(e)) from e
+        try:
+            trio.run(_run, store, replica_url, cfg, bind)
+        finally:
+            store.close()
     finally:
-        store.close()
+        lock.release()
     log.info("stopped")
 
 

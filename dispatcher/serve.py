@@ -24,6 +24,25 @@ A rejected or failed send is retried after ``RETRY_AFTER_S``; vLLM's own 400/422
 the request for good (retrying cannot help); a 5xx or no answer marks the replica failed,
 which ends the turn (and the next one starts with a recovery).
 
+No request can take the loop down: any other error while sending one request (a bug, a
+row stored by an older release that cannot be encoded, a store error while counting the
+attempt) fails that send only; the request is retried after ``RETRY_AFTER_S``, and after
+``TurnConfig.max_send_errors`` such errors (``MAX_SEND_ERRORS``, ``--max-send-errors``) it
+is failed with an error that starts with ``SEND_FAILED`` and names the sample, pool,
+revision and the last error.
+
+One bad revision cannot stall the others: a failed load backs that revision off on its
+own (``LOAD_BACKOFF_MIN_S`` doubling to ``LOAD_BACKOFF_MAX_S``; :meth:`Serving._choose`
+skips it meanwhile, so other revisions are loaded and served), and the turn ends as after
+any broken load (the next one recovers the replica first). A load that a replica still
+healthy right after refused with an HTTP error is the revision's fault (a path deleted by
+a retention policy, unloadable weights); after ``TurnConfig.max_load_failures`` such
+refusals in a row (``MAX_LOAD_FAILURES``, ``--max-load-failures``) every pending request
+of the revision fails with an error that starts with ``LOAD_FAILED`` and names pool,
+replica, workload, revision, path and the load error. A load with no answer, or one that
+took the replica down, is the replica's fault: it backs off but counts no refusal. A
+later request for the revision starts a fresh count (the path may be back).
+
 ``TurnConfig.weight_check`` picks how the weights of a result are checked (see
 :mod:`dispatcher.core`): ``"spans"`` reads each choice's ``weight_versions`` (vLLM 0.33
 and later); ``"label"`` (vLLM releases that ignore ``return_weight_versions``, such as
@@ -54,15 +73,22 @@ from dispatcher.core import (
     result_ok,
     weight_versions,
 )
-from dispatcher.errors import NotFound, ReplicaError
+from dispatcher.errors import DispatchError, NotFound, ReplicaError, StoreError
 from dispatcher.store import Pending, Store
 from dispatcher.vllm import CONTROL_TIMEOUT_S, Replica
 from slicer.client import Turn
 
 __all__ = [
+    "LOAD_BACKOFF_MAX_S",
+    "LOAD_BACKOFF_MIN_S",
+    "LOAD_FAILED",
+    "MAX_LOAD_FAILURES",
+    "MAX_SEND_ERRORS",
     "NO_WEIGHT_VERSIONS_ERROR",
     "RETRY_AFTER_S",
+    "SEND_FAILED",
     "Counters",
+    "LoadBackoff",
     "Serving",
     "TurnConfig",
     "TurnState",
@@ -72,6 +98,12 @@ log = logging.getLogger("dispatcher.serve")
 
 RETRY_AFTER_S = 1.0  # a rejected or failed send is tried again after this
 _PERMANENT = (400, 422)  # vLLM refused the request itself: retrying cannot help
+MAX_SEND_ERRORS = 3  # unexpected errors sending one request before it is failed
+MAX_LOAD_FAILURES = 3  # refused loads of one revision in a row before its requests fail
+LOAD_BACKOFF_MIN_S, LOAD_BACKOFF_MAX_S = 1.0, 30.0  # a revision whose load failed waits
+LOAD_HEALTH_TIMEOUT_S = 5.0  # the /health probe that tells a refusal from a dead replica
+LOAD_FAILED = "load failed"  # how the error of a request failed by its revision starts
+SEND_FAILED = "send failed"  # how the error of a request failed by its sends starts
 NO_WEIGHT_VERSIONS_ERROR = (
     "replica returned no weight_versions: vLLM older than 0.33 ignores "
     "return_weight_versions, so no result can be committed; start slicer-dispatch with "
@@ -95,12 +127,18 @@ class TurnConfig:
     load_timeout: float = 1800.0
     sleep_timeout: float = 300.0
     weight_check: str = "spans"  # one of core.WEIGHT_CHECKS
+    max_send_errors: int = MAX_SEND_ERRORS
+    max_load_failures: int = MAX_LOAD_FAILURES
+    check_revision_paths: bool = True  # publish refuses a path that is no checkpoint dir
 
     def __post_init__(self) -> None:
         if self.weight_check not in WEIGHT_CHECKS:
             raise ValueError(
                 f"weight_check must be one of {WEIGHT_CHECKS}, got {self.weight_check!r}"
             )
+        for name in ("max_send_errors", "max_load_failures"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -115,7 +153,18 @@ class Counters:
     commits: int = 0
     expired: int = 0
     refused_by_replica: int = 0
+    send_errors: int = 0
     rejects: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class LoadBackoff:
+    """Failed loads of one revision in a row (clocks are trio's)."""
+
+    failures: int = 0  # every failed load: the backoff doubles with each
+    refused: int = 0  # of them, refused by a healthy replica (the revision's fault)
+    retry_at: float = 0.0
+    error: str = ""
 
 
 @dataclass
@@ -169,6 +218,8 @@ class Serving:
         self._retry_at: dict[str, float] = {}
         self._current: TurnState | None = None
         self._told_no_weight_versions = False  # the error is logged once per loop
+        self._send_errors: dict[str, int] = {}  # id -> unexpected errors of its sends
+        self._load_backoff: dict[str, LoadBackoff] = {}  # revision -> its failed loads
 
     # -- plumbing --------------------------------------------------------------------
 
@@ -183,6 +234,7 @@ class Serving:
 
     def _done(self, id: str) -> None:
         self._retry_at.pop(id, None)
+        self._send_errors.pop(id, None)
         event = self._finished.pop(id, None)
         if event is not None:
             event.set()
@@ -192,10 +244,24 @@ class Serving:
     def _sendable(self, p: Pending, now: float) -> bool:
         return p.id not in self._in_flight and self._retry_at.get(p.id, 0.0) <= now
 
-    def _choose(self, now: float) -> str | None:
-        """The revision to work on: core.next_revision, unless the loaded one has only
-        requests that wait for a retry while another revision has work."""
+    def _loadable(self, revision: str, now: float) -> bool:
+        """Whether ``revision`` may be served now: loaded, or not backed off."""
+        b = self._load_backoff.get(revision)
+        return b is None or b.retry_at <= now or revision == self.replica.known_version
+
+    def _load_wait(self, now: float) -> float | None:
+        """Seconds until a pending revision may be loaded, when every one is backed off;
+        None when one may be served now (or nothing is pending)."""
         revs = self.store.pending_revisions()
+        if not revs or any(self._loadable(r, now) for r in revs):
+            return None
+        return max(0.0, min(self._load_backoff[r].retry_at for r in revs) - now)
+
+    def _choose(self, now: float) -> str | None:
+        """The revision to work on: core.next_revision over the revisions not backed off,
+        unless the loaded one has only requests that wait for a retry while another
+        revision has work. None: nothing may be served now."""
+        revs = [r for r in self.store.pending_revisions() if self._loadable(r, now)]
         loaded = self.replica.known_version
         want = next_revision(revs, loaded)
         stuck = want is not None and want == loaded and not self._in_flight
@@ -223,6 +289,9 @@ class Serving:
                     reason = "idle"
                     break
                 want = self._choose(now)
+                if want is None and not self._in_flight:
+                    reason = "backoff"  # every pending revision's load is backed off
+                    break
                 if want is not None and want != self.replica.known_version:
                     if not self._in_flight:  # loads are whole, and never under a send
                         await self._load(cur, want)
@@ -258,13 +327,45 @@ class Serving:
         log.info("turn %d: loading revision %s from %s", cur.turn.turn, revision, rev.path)
         try:
             await self.replica.load(revision, rev.path, self.cfg.load_timeout)
-        except ReplicaError:
+        except ReplicaError as e:
             self.counters.load_failures += 1
             self._needs_recover = True
+            # A refusal by a replica still healthy right after is the revision's fault;
+            # no answer, or a replica that died with the load, is the replica's.
+            refused = e.status is not None and await self.replica.health(LOAD_HEALTH_TIMEOUT_S)
+            self._load_failed(revision, rev.path, e, refused)
             raise
+        self._load_backoff.pop(revision, None)
         self.counters.loads += 1
         log.info("turn %d: loaded revision %s in %.3f s", cur.turn.turn, revision,
                  time.monotonic() - t0)  # fmt: skip
+
+    def _load_failed(self, revision: str, path: str, e: ReplicaError, refused: bool) -> None:
+        """Back ``revision`` off after a failed load; after ``max_load_failures`` refusals
+        in a row, fail its pending requests (module docstring)."""
+        b = self._load_backoff.setdefault(revision, LoadBackoff())
+        b.failures += 1
+        b.refused += refused
+        b.error = str(e)
+        delay = min(LOAD_BACKOFF_MAX_S, LOAD_BACKOFF_MIN_S * 2 ** (b.failures - 1))
+        b.retry_at = trio.current_time() + delay
+        limit = self.cfg.max_load_failures
+        if b.refused < limit:
+            log.warning("revision %s: load failed (%d refused of %d allowed); other revisions "
+                        "first, this one again in %.1f s: %s", revision, b.refused, limit,
+                        delay, e)  # fmt: skip
+            return
+        msg = (
+            f"{LOAD_FAILED}: pool {self.store.pool} revision {revision}: replica "
+            f"{self.replica.base_url} (workload {self.cfg.workload}) refused {b.refused} loads "
+            f"of {path} in a row; last error: {e}"
+        )
+        failed = self.store.pending(revision)
+        log.error("%s; failing its %d pending request(s)", msg, len(failed))
+        for p in failed:
+            self.store.fail(p.id, msg)
+            self._done(p.id)
+        del self._load_backoff[revision]  # a later request starts afresh (the path may be back)
 
     def _fill(self, sends: trio.Nursery, revision: str, now: float) -> None:
         free = self.cfg.concurrency - len(self._in_flight)
@@ -280,36 +381,69 @@ class Serving:
                 free -= 1
 
     async def _send(self, p: Pending, scope: trio.CancelScope, epoch: int) -> None:
-        """Send ``p`` once; commit the answer only if core.result_ok says so."""
+        """Send ``p`` once; commit the answer only if core.result_ok says so. Any error
+        but a cancellation ends this send only (:meth:`_send_error`)."""
         try:
             with scope:
                 try:
-                    self.store.attempt(p.id)
-                except NotFound:
-                    return  # finished (expired) meanwhile
-                self.counters.sends += 1
-                body = request_body(p, self.cfg.model or "")
-                if not self.cfg.model:
-                    del body["model"]  # vLLM serves its only model
-                timeout = max(1.0, p.deadline - time.time())
-                try:
-                    answer = await self.replica.complete(p.kind, body, timeout)
-                except ReplicaError as e:
-                    self._send_failed(p, e)
-                    return
-                label: str | None = None
-                if self.cfg.weight_check == "label" and self.store.is_pending(p.id):
-                    # Still in flight (no load can start): read the served label once.
-                    bound = min(CONTROL_TIMEOUT_S, max(1.0, p.deadline - time.time()))
-                    try:
-                        label = await self.replica.weight_version(bound)
-                    except ReplicaError as e:
-                        self._send_failed(p, e, refusal=False)
-                        return
-                self._judge(p, answer, epoch, label)
+                    await self._send_once(p, epoch)
+                except Exception as e:  # ReplicaError is handled inside: this is the rest
+                    self._send_error(p, e)
         finally:
             self._in_flight.pop(p.id, None)
             self._signal()
+
+    async def _send_once(self, p: Pending, epoch: int) -> None:
+        try:
+            self.store.attempt(p.id)
+        except NotFound:
+            return  # finished (expired) meanwhile
+        self.counters.sends += 1
+        body = request_body(p, self.cfg.model or "")
+        if not self.cfg.model:
+            del body["model"]  # vLLM serves its only model
+        timeout = max(1.0, p.deadline - time.time())
+        try:
+            answer = await self.replica.complete(p.kind, body, timeout)
+        except ReplicaError as e:
+            self._send_failed(p, e)
+            return
+        label: str | None = None
+        if self.cfg.weight_check == "label" and self.store.is_pending(p.id):
+            # Still in flight (no load can start): read the served label once.
+            bound = min(CONTROL_TIMEOUT_S, max(1.0, p.deadline - time.time()))
+            try:
+                label = await self.replica.weight_version(bound)
+            except ReplicaError as e:
+                self._send_failed(p, e, refusal=False)
+                return
+        self._judge(p, answer, epoch, label)
+
+    def _send_error(self, p: Pending, e: Exception) -> None:
+        """An unexpected error ended a send of ``p``: retry it later, and fail it after
+        ``max_send_errors`` of them (module docstring)."""
+        self.counters.send_errors += 1
+        n = self._send_errors[p.id] = self._send_errors.get(p.id, 0) + 1
+        what = f"{type(e).__name__}: {e}"
+        # A store error is reported by the store; anything else is a bug worth its trace.
+        trace = None if isinstance(e, DispatchError) else e
+        if n < self.cfg.max_send_errors:
+            log.error("%s (revision %s): send %d of %d failed (%s); stays pending", p.id,
+                      p.revision, n, self.cfg.max_send_errors, what, exc_info=trace)  # fmt: skip
+            self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
+            return
+        msg = (
+            f"{SEND_FAILED}: sample {p.id} (pool {p.pool}, revision {p.revision}) could not "
+            f"be sent {n} times; last error: {what}"
+        )
+        log.error("%s", msg, exc_info=trace)
+        try:
+            self.store.fail(p.id, msg)
+        except StoreError as se:
+            log.error("%s: cannot store its failure (%s); tried again later", p.id, se)
+            self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
+            return
+        self._done(p.id)
 
     def _judge(self, p: Pending, answer: dict[str, Any], epoch: int, label: str | None) -> None:
         """Commit ``answer`` as ``p``'s result if core.result_ok says so (``label``: the

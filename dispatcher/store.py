@@ -17,7 +17,12 @@ Token prompts are kept as ``array('i')`` (4 bytes per token) to keep a million p
 tokens within a few MiB.
 
 The store is synchronous and meant for one thread (the trio thread): every call is a
-short local transaction. It raises only :mod:`dispatcher.errors` classes.
+short local transaction. It raises only :mod:`dispatcher.errors` classes: every SQLite
+error of a read or a write, at open or at run time, is a :class:`StoreError`
+(:class:`StoreFull` for a full disk). An error that says the file itself is damaged (a
+corrupt page, "database disk image is malformed", "file is not a database") is logged
+once and kept in :attr:`Store.damaged`: damage does not heal, so :meth:`Store.health`
+(``/status``'s ``store``) reports it until the file is repaired or moved aside.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import array
 import contextlib
 import heapq
 import json
+import logging
 import math
 import re
 import secrets
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dispatcher.checkpoint import check_path_text
 from dispatcher.core import MAX_PARAMS_BYTES, parse_body
 from dispatcher.errors import BadRequest, NotFound, StoreError, StoreFull, UnknownRevision
 
@@ -47,7 +54,10 @@ __all__ = [
     "Result",
     "Revision",
     "Store",
+    "check_revision_name",
 ]
+
+log = logging.getLogger("dispatcher.store")
 
 DB_NAME = "dispatch.db"
 REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
@@ -117,6 +127,11 @@ def _check_name(what: str, name: object) -> str:
     return name
 
 
+def check_revision_name(name: object) -> str:
+    """``name`` if it is a valid revision name; :class:`BadRequest` naming the rule."""
+    return _check_name("revision", name)
+
+
 def _tokens_to_blob(tokens: array.array[int]) -> bytes:
     # Stored little-endian so a database moved between machines still reads back.
     if sys.byteorder == "big":
@@ -136,6 +151,18 @@ def _blob_to_tokens(blob: bytes) -> array.array[int]:
 def _is_disk_full(exc: sqlite3.Error) -> bool:
     text = str(exc).lower()
     return "full" in text or getattr(exc, "sqlite_errorcode", None) == 13  # SQLITE_FULL
+
+
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+
+
+def _is_damage(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` says the database file itself is damaged (it will not heal)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None and code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
+        return True
+    text = str(exc).lower()
+    return "malformed" in text or "not a database" in text
 
 
 class Store:
@@ -161,6 +188,8 @@ class Store:
         self._seq = 0
         self._tokens = 0
         self._finished = {"done": 0, "failed": 0}
+        self.damaged: str | None = None  # the first error that said the file is damaged
+        self.last_error: str | None = None  # the last failure; None once a call worked
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._con = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
@@ -172,7 +201,7 @@ class Store:
             self._con.execute("PRAGMA synchronous=NORMAL")
             self._con.executescript(_SCHEMA)
             self._load()
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, ValueError) as exc:  # ValueError: a row's JSON is unreadable
             self._con.close()
             raise StoreError(f"cannot open the dispatch store {self.path}: {exc}") from exc
 
@@ -202,9 +231,43 @@ class Store:
                     con.execute("ROLLBACK")
                 raise
         except sqlite3.Error as exc:
-            if _is_disk_full(exc):
-                raise StoreFull(f"{what}: the disk holding {self.path} is full ({exc})") from exc
-            raise StoreError(f"{what}: store {self.path} failed: {exc}") from exc
+            raise self._failed(what, exc) from exc
+        self.last_error = None
+
+    def _failed(self, what: str, exc: sqlite3.Error) -> StoreError:
+        """The error to raise for ``exc``; notes it for :meth:`health` (and logs damage)."""
+        if _is_disk_full(exc):
+            err: StoreError = StoreFull(f"{what}: the disk holding {self.path} is full ({exc})")
+        else:
+            err = StoreError(f"{what}: store {self.path} failed: {exc}")
+        self.last_error = str(err)
+        if self.damaged is None and _is_damage(exc):
+            self.damaged = f"{type(exc).__name__}: {exc}"
+            log.error(
+                "the dispatch store %s is damaged (%s); requests that touch it fail with 503 "
+                "until it is repaired or moved aside and the dispatcher restarted",
+                self.path, self.damaged,
+            )  # fmt: skip
+        return err
+
+    def _read(self, what: str, sql: str, args: tuple[Any, ...]) -> list[Any]:
+        """Every row of one read; a failure maps to StoreError like a transaction's."""
+        try:
+            rows = self._con.execute(sql, args).fetchall()
+        except sqlite3.Error as exc:
+            raise self._failed(what, exc) from exc
+        self.last_error = None
+        return rows
+
+    def health(self) -> dict[str, Any]:
+        """The store's state for ``GET /status``: ``damaged`` (the file is corrupt: it
+        stays so until repaired) and ``error`` (the damage, else the last failure, else
+        None)."""
+        return {
+            "path": str(self.path),
+            "damaged": self.damaged is not None,
+            "error": self.damaged or self.last_error,
+        }
 
     def _load(self) -> None:
         for status, count in self._con.execute(
@@ -256,8 +319,7 @@ class Store:
         a :class:`BadRequest` (a revision names one set of weights forever).
         """
         _check_name("revision", revision)
-        if not isinstance(path, str) or not path or "\0" in path or len(path) > 4096:
-            raise BadRequest(f"path must be a non-empty string (<= 4096 chars), got {path!r:.200}")
+        check_path_text(path)
         with self._tx(f"publish revision {revision}") as con:
             row = con.execute(
                 "SELECT path, published_at FROM revision WHERE pool = ? AND name = ?",
@@ -279,7 +341,8 @@ class Store:
 
     def revisions(self) -> list[Revision]:
         """Every published revision of this pool, oldest first."""
-        rows = self._con.execute(
+        rows = self._read(
+            "list revisions",
             "SELECT name, path, published_at FROM revision WHERE pool = ? ORDER BY seq",
             (self.pool,),
         )
@@ -287,22 +350,24 @@ class Store:
 
     def newest(self) -> Revision | None:
         """The most recently published revision, or None when none is."""
-        row = self._con.execute(
+        rows = self._read(
+            "read the newest revision",
             "SELECT name, path, published_at FROM revision WHERE pool = ? ORDER BY seq DESC "
             "LIMIT 1",
             (self.pool,),
-        ).fetchone()
-        return None if row is None else Revision(*row)
+        )
+        return Revision(*rows[0]) if rows else None
 
     def revision(self, name: str) -> Revision:
         """The published revision ``name``; :class:`UnknownRevision` if there is none."""
-        row = self._con.execute(
+        rows = self._read(
+            f"read revision {name}",
             "SELECT name, path, published_at FROM revision WHERE pool = ? AND name = ?",
             (self.pool, name),
-        ).fetchone()
-        if row is None:
+        )
+        if not rows:
             raise UnknownRevision(f"revision {name!r} is not published in pool {self.pool!r}")
-        return Revision(*row)
+        return Revision(*rows[0])
 
     # -- accepting requests ----------------------------------------------------------
 
@@ -426,12 +491,14 @@ class Store:
     def get(self, id: str, now: float | None = None) -> Result:
         """The status and result of sample ``id`` (at wall time ``now``, default the
         current time); :class:`NotFound` if unknown."""
-        row = self._con.execute(
-            "SELECT status, body, error, revision, pool FROM sample WHERE id = ?", (id,)
-        ).fetchone()
-        if row is None:
+        rows = self._read(
+            f"read sample {id}",
+            "SELECT status, body, error, revision, pool FROM sample WHERE id = ?",
+            (id,),
+        )
+        if not rows:
             raise NotFound(f"no sample {id!r}")
-        status, body, error, rev, pool = row
+        status, body, error, rev, pool = rows[0]
         p = self._pending.get(id) if status == "pending" else None
         now = time.time() if now is None else now
         if p is not None and p.deadline <= now:

@@ -32,7 +32,12 @@ which :class:`TurnLoop` extends with the front door, the ticker and the turn's f
 The end of a turn (sleep, then RELEASE) runs shielded from cancellation, so SIGTERM
 during a turn still puts vLLM to sleep and hands the GPU back before the process exits.
 Any slicerd or replica failure ends the turn the same way; the requests stay pending and
-the loop backs off (0.5 s doubling to 5 s) before it tries again.
+the loop backs off (0.5 s doubling to 5 s) before it tries again. A store failure (a full
+disk, a damaged database) ends it too and backs off longer (to ``STORE_BACKOFF_MAX_S``):
+each turn parks the other workload, and a broken store rarely mends within seconds; the
+loop lives on, the front answers 503 for what touches the broken part, and ``/status``
+says so in ``store``. While every pending revision's load is backed off
+(:mod:`dispatcher.serve`) the loop asks for no turn: it waits for the first to be due.
 """
 
 from __future__ import annotations
@@ -45,9 +50,10 @@ from typing import Any
 import trio
 
 import proto
-from dispatcher.errors import DispatchError, ReplicaError, UnknownRevision
+from dispatcher.checkpoint import check_checkpoint_dir, check_path_text
+from dispatcher.errors import DispatchError, ReplicaError, StoreError, UnknownRevision
 from dispatcher.serve import Counters, Serving, TurnConfig, TurnState
-from dispatcher.store import Pending, Result, Revision, Store
+from dispatcher.store import Pending, Result, Revision, Store, check_revision_name
 from dispatcher.vllm import Replica
 from slicer.client import AsyncSlicer, ClientError
 
@@ -57,6 +63,7 @@ log = logging.getLogger("dispatcher.turns")
 
 RELEASE_TIMEOUT_S = 30.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 5.0
+STORE_BACKOFF_MAX_S = 30.0  # after a turn that a store failure ended
 
 
 def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:
@@ -100,7 +107,16 @@ class TurnLoop(Serving):
         return p
 
     def publish(self, revision: str, path: str) -> tuple[Revision, bool]:
-        """Publish weights ``revision`` at ``path``; (revision, newly published)."""
+        """Publish weights ``revision`` at ``path``; (revision, newly published).
+
+        Raises :class:`BadRequest` when ``path`` is not a readable checkpoint directory
+        (:mod:`dispatcher.checkpoint`; with ``check_revision_paths`` off, only when it
+        is no usable path text), before anything is recorded."""
+        check_revision_name(revision)
+        if self.cfg.check_revision_paths:
+            check_checkpoint_dir(path)
+        else:
+            check_path_text(path)
         try:
             self.store.revision(revision)
             created = False
@@ -123,8 +139,12 @@ class TurnLoop(Serving):
     def status(self) -> dict[str, Any]:
         """The loop's state for ``GET /status``."""
         cur = self._current
-        newest = self.store.newest()
+        try:
+            newest = self.store.newest()
+        except StoreError:
+            newest = None  # /status must answer while the store is broken: "store" says so
         tokens, token_bytes = self.store.pending_token_bytes()
+        now = trio.current_time()
         return {
             "pool": self.store.pool,
             "workload": self.cfg.workload,
@@ -141,6 +161,16 @@ class TurnLoop(Serving):
             "pending_prompt_tokens": tokens,
             "pending_prompt_bytes": token_bytes,
             "counters": {**vars(self.counters), "rejects": dict(self.counters.rejects)},
+            "store": self.store.health(),
+            "load_backoff": {
+                rev: {
+                    "failures": b.failures,
+                    "refused": b.refused,
+                    "retry_in_s": round(max(0.0, b.retry_at - now), 3),
+                    "error": b.error,
+                }
+                for rev, b in self._load_backoff.items()
+            },
         }
 
     # -- plumbing --------------------------------------------------------------------
@@ -189,6 +219,11 @@ class TurnLoop(Serving):
                 self.state = "idle"
                 await self._wait_change(1.0)
                 continue
+            wait = self._load_wait(trio.current_time())
+            if wait is not None:
+                self.state = "backoff"  # no turn only to find every revision backed off
+                await self._wait_change(min(wait, 1.0))
+                continue
             failed: list[Exception] = []
             try:
                 await self._one_turn()
@@ -203,9 +238,10 @@ class TurnLoop(Serving):
             self.counters.turn_errors += 1
             self.state = "backoff"
             e = failed[0]
+            store = any(isinstance(x, StoreError) for x in failed)
             log.error("turn failed (%s: %s); retrying in %.1f s", type(e).__name__, e, backoff)
             await trio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
+            backoff = min(backoff * 2, STORE_BACKOFF_MAX_S if store else BACKOFF_MAX_S)
 
     async def _one_turn(self) -> None:
         if self._slicer is None:

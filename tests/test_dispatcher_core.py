@@ -13,6 +13,7 @@ from dispatcher.core import (
     WEIGHT_CHECKS,
     TurnPlan,
     commit_ok,
+    lone_surrogate,
     next_revision,
     parse_body,
     parse_model,
@@ -274,3 +275,38 @@ def test_turn_plan_ends_at() -> None:
     plan = TurnPlan(turn_seconds=30)
     assert plan.ends_at(100, None) is None
     assert plan.ends_at(100, 120) == 130
+
+
+# (case, raw JSON body, the field named, or None: valid text)
+_SURROGATES: list[tuple[str, str, str | None]] = [
+    ("lone high in prompt", r'{"prompt": "\ud800"}', "prompt (offset 0)"),
+    ("lone low in user", r'{"prompt": "x", "user": "ab\udfff"}', "user (offset 2)"),
+    ("in a chat part", r'{"messages": [{"role": "user", "content": "hi"}, {"role": "user",'
+     r' "content": [{"type": "text", "text": "\ud83d"}]}]}', "messages[1].content[0].text"),
+    ("in a key", r'{"prompt": "x", "logit_bias": {"\ud800": 1}}', "a key of logit_bias"),
+    ("a top-level key", r'{"\udc00": 1}', "a key of the body"),
+    ("the first in document order", r'{"a": ["ok", "\udfff"], "b": "\ud800"}', "a[1]"),
+    ("a pair is fine", r'{"prompt": "\ud83d\ude00 and \u00e9"}', None),
+    ("ints and nulls", r'{"prompt": [1, 2, 3], "stop": null, "n": 1}', None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "raw", "where"), _SURROGATES, ids=[c[0] for c in _SURROGATES])
+def test_lone_surrogates_are_found_and_named(case: str, raw: str, where: str | None) -> None:
+    body = json.loads(raw)
+    found = lone_surrogate(body)
+    if where is None:
+        assert found is None
+        return
+    assert found is not None and found.startswith(where), found
+    kind = "chat" if "messages" in body else "completion"
+    with pytest.raises(BadRequest, match="lone UTF-16 surrogate") as e:
+        parse_body(kind, body, 32768, 1 << 20)
+    assert str(e.value).startswith(where)
+
+
+def test_lone_surrogate_deep_nesting_is_iterative() -> None:
+    depth = 900  # near what json.loads itself accepts
+    body = json.loads('{"a": ' * depth + r'"\ud800"' + "}" * depth)
+    found = lone_surrogate(body)
+    assert found is not None and found.startswith(".".join(["a"] * depth))

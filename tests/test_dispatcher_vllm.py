@@ -286,7 +286,10 @@ async def _loop(tmp_path: Path, fake: FakeVllm, weight_check: str) -> AsyncItera
         async with Replica("http://vllm", transport=httpx.MockTransport(fake)) as r:
             cfg = TurnConfig(workload="v", turn_seconds=5, weight_check=weight_check)
             loop = TurnLoop(store, r, cfg)
-            loop.publish("r1", "/ckpt/r1")
+            ckpt = tmp_path / "ckpt" / "r1"
+            ckpt.mkdir(parents=True)
+            (ckpt / "revision.txt").write_text("r1")
+            loop.publish("r1", str(ckpt))
             loop._current = TurnState(Turn("v", 1, False, 0))
             yield loop
     finally:
