@@ -34,6 +34,8 @@ class LaunchConfig:
     gpu: str | None = None
     park: str = "checkpoint"
     parked_max: int = 0
+    # Cooperative workloads: what slicerd may do when nobody parks it (see PROTOCOL.md).
+    park_fallback: str = "none"
     socket: str | None = None
     kill_grace: float = 5.0
     connect_timeout: float = 30.0  # how long the first REGISTER may keep retrying

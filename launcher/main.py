@@ -41,7 +41,9 @@ def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> in
         raise click.BadParameter(str(e)) from e
 
 
-def _common(park: str, parked_max: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _common(
+    park: str, parked_max: str, fallback: str = "none"
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(f: Callable[..., Any]) -> Callable[..., Any]:
         for opt in reversed(
             [
@@ -52,6 +54,15 @@ def _common(park: str, parked_max: str) -> Callable[[Callable[..., Any]], Callab
                     type=click.Choice(["checkpoint", "cooperative"]),
                     default=park,
                     show_default=True,
+                ),
+                click.option(
+                    "--park-fallback",
+                    type=click.Choice(["checkpoint", "none"]),
+                    default=fallback,
+                    show_default=True,
+                    help="cooperative park: if nobody parks the workload (its dispatcher "
+                    "died mid-turn), slicerd may cuda-checkpoint it (checkpoint) or "
+                    "FAULT it (none)",
                 ),
                 click.option(
                     "--parked-max",
@@ -93,7 +104,7 @@ def run(**kw: Any) -> None:
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
-@_common("cooperative", "4GiB")
+@_common("cooperative", "4GiB", "checkpoint")
 @click.option("--ready-file", type=click.Path(path_type=Path), help="ready marker")
 @click.option("--boot-timeout", type=float, default=900.0, show_default=True)
 @click.option("--health-timeout", type=float, default=600.0, show_default=True)

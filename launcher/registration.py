@@ -21,7 +21,7 @@ child is never killed for a lost daemon.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -47,10 +47,17 @@ class Refused(Exception):
 class Registration:
     """The workload's registration, kept and re-made for the launcher's whole life."""
 
-    def __init__(self, cfg: LaunchConfig, on_fault: Callable[[proto.Fault], None]) -> None:
+    def __init__(
+        self,
+        cfg: LaunchConfig,
+        on_fault: Callable[[proto.Fault], None],
+        on_park: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.socket = os.path.abspath(socket_path(cfg.socket))
         self.on_fault = on_fault
+        # Parks the workload when slicerd asks (PARK); None: this launcher cannot.
+        self.on_park = on_park
         self.conn: AsyncSlicer | None = None
         self.registrations = 0  # how many REGISTERs succeeded (1 + reconnects)
 
@@ -60,6 +67,8 @@ class Registration:
             "tree": True,
             "park": self.cfg.park,
             "parked_max": self.cfg.parked_max,
+            "fallback": self.cfg.park_fallback,
+            "ask": self.on_park is not None and self.cfg.park == "cooperative",
         }
         if self.cfg.gpu is not None:
             kw["gpu"] = self.cfg.gpu
@@ -132,10 +141,30 @@ class Registration:
                         self.on_fault(msg)
                     elif isinstance(msg, proto.Waiting):
                         log.debug("WAITING turn=%d waiters=%d", msg.turn, msg.waiters)
+                    elif isinstance(msg, proto.ParkAsk):
+                        await self._park(self.conn, msg)
             except (Unreachable, proto.ProtocolError) as e:
                 log.warning("lost slicerd (%s): reconnecting", e)
             conn, self.conn = self.conn, None
             await conn.aclose()
+
+    async def _park(self, conn: AsyncSlicer, ask: proto.ParkAsk) -> None:
+        """slicerd asks us to park the workload (its holder is gone): do it, answer."""
+        log.warning("slicerd asks to park %s (turn %d): its holder is gone", ask.workload, ask.turn)
+        ok = False
+        if self.on_park is not None:
+            try:
+                ok = await self.on_park()
+            except Exception as e:  # whatever broke, slicerd must get an answer
+                log.error("park failed: %s", _why(e))
+        try:
+            with trio.fail_after(self.cfg.request_timeout):
+                await conn.parked(ask.workload, ask.turn, ok)
+        except ClientError as e:
+            # not-asked: slicerd stopped waiting (its bound passed) and went on without us.
+            log.warning("PARKED answer refused: %s", e)
+        except trio.TooSlowError:
+            log.warning("PARKED answer not acknowledged in %.0f s", self.cfg.request_timeout)
 
     async def aclose(self) -> None:
         """Close the connection: the daemon ends the registration."""

@@ -61,6 +61,7 @@ class Profile:
     """The generic `run` profile: no boot steps, ready as soon as the child runs."""
 
     boots = False  # True: an exit before the first ready is a boot failure
+    parks = False  # True: `park` can park the workload when slicerd asks (PARK)
     ready = False
     ready_seen = False
 
@@ -84,6 +85,10 @@ class Profile:
         self.ready = self.ready_seen = True
         sd_notify("READY=1")
 
+    async def park(self) -> bool:
+        """Park the workload now (slicerd sent PARK); True when it did."""
+        return False
+
     async def aclose(self) -> None:
         """Release whatever the boot steps still hold."""
 
@@ -95,7 +100,7 @@ class Supervisor:
         self.cfg = cfg
         self.argv = list(argv)
         self.profile = profile
-        self.reg = Registration(cfg, self._on_fault)
+        self.reg = Registration(cfg, self._on_fault, profile.park if profile.parks else None)
         self.child: Child | None = None
         self.reason: Stop | None = None
         self._stopped = trio.Event()

@@ -78,6 +78,7 @@ class VllmProfile(Profile):
     """Boot turn, health, sleep, release, ready marker."""
 
     boots = True
+    parks = True
 
     def __init__(self, cfg: VllmConfig, workload: str) -> None:
         self.cfg = cfg
@@ -186,6 +187,30 @@ class VllmProfile(Profile):
         except (httpx.HTTPError, ValueError) as e:
             raise BootFailed(Exit.FAILED, f"sleep failed: {e!r}") from e
         log.info("slept (level %d)", level)
+
+    async def park(self) -> bool:
+        """slicerd asks to park the replica (its dispatcher died mid-turn): sleep it
+        (`mode=abort`: whatever the dead dispatcher left running is cut off) and check
+        it is asleep. slicerd then verifies, through the GPU backend, on its own."""
+        level = self.cfg.sleep_level
+        try:
+            async with httpx.AsyncClient(base_url=self.url, timeout=CALL_TIMEOUT) as http:
+                r = await http.post(
+                    f"/sleep?level={level}&mode=abort", timeout=self.cfg.sleep_timeout
+                )
+                if r.status_code != 200:
+                    log.error("park: POST /sleep: %d %s", r.status_code, r.text[:300])
+                    return False
+                r = await http.get("/is_sleeping")
+                asleep = r.status_code == 200 and r.json().get("is_sleeping") is True
+        except (httpx.HTTPError, ValueError) as e:
+            log.error("park: sleep failed: %r", e)
+            return False
+        if not asleep:
+            log.error("park: not asleep after /sleep")
+            return False
+        log.info("parked on slicerd's request: slept (level %d)", level)
+        return True
 
     async def _release(self) -> None:
         assert self._boot is not None and self._turn is not None

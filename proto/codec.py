@@ -10,6 +10,8 @@ from proto.messages import (
     Fault,
     Hello,
     Ok,
+    ParkAsk,
+    Parked,
     Ping,
     Register,
     Release,
@@ -25,8 +27,8 @@ from proto.requests import encode_request
 
 __all__ = ["encode"]
 
-_REQUESTS = (Hello, Ping, Register, Acquire, Release, Unregister, Status, Watch)
-_SERVER = (Ok, Err, Fault, Waiting, Event)
+_REQUESTS = (Hello, Ping, Register, Acquire, Release, Parked, Unregister, Status, Watch)
+_SERVER = (Ok, Err, Fault, Waiting, ParkAsk, Event)
 
 
 def encode(msg: Request | ServerMessage) -> bytes:

@@ -40,6 +40,8 @@ class ErrorCode(enum.StrEnum):
     BAD_ARGUMENT = "bad-argument"
     NOT_REGISTRANT = "not-registrant"
     LIMIT = "limit"
+    IN_USE = "in-use"
+    NOT_ASKED = "not-asked"
     INTERNAL = "internal"
 
 

@@ -1,7 +1,7 @@
 """The messages of the wire protocol as frozen dataclasses.
 
 Requests go from client to server and are answered in order by exactly one `Reply`
-(`Ok` or `Err`). `Fault`, `Waiting` and `Event` are unsolicited server lines that may
+(`Ok` or `Err`). `Fault`, `Waiting`, `ParkAsk` and `Event` are unsolicited server lines that may
 arrive between replies. Construction does not validate; `proto.encode` does, and
 `proto.parse_request` / `proto.parse_server_line` only ever return valid messages.
 """
@@ -22,7 +22,10 @@ __all__ = [
     "Fault",
     "Hello",
     "Ok",
+    "ParkAsk",
+    "ParkFallback",
     "ParkMode",
+    "Parked",
     "Ping",
     "Register",
     "Release",
@@ -45,6 +48,13 @@ class ParkMode(enum.StrEnum):
 
     CHECKPOINT = "checkpoint"
     COOPERATIVE = "cooperative"
+
+
+class ParkFallback(enum.StrEnum):
+    """What the slicer may do when a cooperative workload cannot park itself."""
+
+    NONE = "none"
+    CHECKPOINT = "checkpoint"
 
 
 class ReleasePark(enum.StrEnum):
@@ -72,7 +82,8 @@ class Ping:
 
 @dataclass(frozen=True, slots=True)
 class Register:
-    """``REGISTER <workload> [gpu=] [pid=] [tree=1|0] [park=] [parked_max=]``."""
+    """``REGISTER <workload> [gpu=] [pid=] [tree=1|0] [park=] [parked_max=] [fallback=]
+    [ask=1|0]``; `ask`: the registrant answers ``PARK`` events (it can park the workload)."""
 
     workload: str
     gpu: str | None = None
@@ -80,6 +91,8 @@ class Register:
     tree: bool = True
     park: ParkMode = ParkMode.CHECKPOINT
     parked_max: int = 0
+    fallback: ParkFallback = ParkFallback.NONE
+    ask: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +113,15 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
+class Parked:
+    """``PARKED <workload> turn=T [ok=1|0]``: the registrant's answer to ``PARK``."""
+
+    workload: str
+    turn: int
+    ok: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class Unregister:
     """``UNREGISTER <workload>``: end the registration (registrant only)."""
 
@@ -116,7 +138,9 @@ class Watch:
     """``WATCH``: answered ``OK``, then the connection streams ``EVENT`` lines."""
 
 
-Request: TypeAlias = Hello | Ping | Register | Acquire | Release | Unregister | Status | Watch
+Request: TypeAlias = (
+    Hello | Ping | Register | Acquire | Release | Parked | Unregister | Status | Watch
+)
 
 
 # --- server lines ---------------------------------------------------------------------
@@ -168,6 +192,15 @@ class Waiting:
 
 
 @dataclass(frozen=True, slots=True)
+class ParkAsk:
+    """``PARK <workload> turn=T``: to the registrant: park your workload yourself now
+    (its holder is gone) and answer ``PARKED``; `turn` is its last turn (0: none)."""
+
+    workload: str
+    turn: int
+
+
+@dataclass(frozen=True, slots=True)
 class Event:
     """``EVENT {compact json}``: one state change, streamed to WATCH connections."""
 
@@ -175,4 +208,4 @@ class Event:
 
 
 Reply: TypeAlias = Ok | Err
-ServerMessage: TypeAlias = Ok | Err | Fault | Waiting | Event
+ServerMessage: TypeAlias = Ok | Err | Fault | Waiting | ParkAsk | Event

@@ -1,5 +1,5 @@
 """Server lines: parsing what a client reads (`Ok`, `Err`, `Fault`, `Waiting`,
-`Event`), and encoding them on the server.
+`ParkAsk`, `Event`), and encoding them on the server.
 
 Lines with a JSON body (``OK {...}`` from STATUS, ``EVENT {...}``) may be up to
 `MAX_SERVER_LINE` bytes; every other server line fits in `MAX_LINE`, human text being
@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from proto.errors import ErrorCode, LineTooLong, ProtocolError
 from proto.framing import decode_line, split_args, split_tail
-from proto.messages import Err, Event, Fault, Ok, ServerMessage, Waiting
+from proto.messages import Err, Event, Fault, Ok, ParkAsk, ServerMessage, Waiting
 from proto.values import (
     CODE_RE,
     INT_MAX,
@@ -28,7 +28,7 @@ from proto.values import (
 
 __all__ = ["encode_server_message", "parse_server_line"]
 
-_SERVER_VERBS = ("OK", "ERR", "FAULT", "WAITING", "EVENT")
+_SERVER_VERBS = ("OK", "ERR", "FAULT", "WAITING", "PARK", "EVENT")
 
 
 def parse_server_line(line: bytes) -> ServerMessage:
@@ -50,7 +50,7 @@ def parse_server_line(line: bytes) -> ServerMessage:
             _bad("EVENT: body must be a JSON object")
         return Event(body)
     head, tail = split_tail(rest)
-    if verb == "WAITING" and tail is not None:
+    if verb in ("WAITING", "PARK") and tail is not None:
         _bad(f"{verb}: takes no ' -- ' text")
     positionals, pairs = split_args(verb, head)
     if verb == "ERR":
@@ -62,6 +62,9 @@ def parse_server_line(line: bytes) -> ServerMessage:
         reason = check_token(verb, "reason", _required(verb, pairs, "reason"), CODE_RE)
         return Fault(workload, turn=turn, reason=reason, text=tail or "")
     workload = _one_name(verb, positionals)
+    if verb == "PARK":
+        _known_keys(verb, pairs, ("turn",))
+        return ParkAsk(workload, turn=parse_int(verb, "turn", _required(verb, pairs, "turn"), 0))
     _known_keys(verb, pairs, ("turn", "waiters"))
     turn = parse_int(verb, "turn", _required(verb, pairs, "turn"), 1)
     waiters = parse_int(verb, "waiters", _required(verb, pairs, "waiters"), 0)
@@ -166,6 +169,13 @@ def encode_server_message(msg: ServerMessage) -> bytes:
                 f"waiters={check_int('WAITING', 'waiters', waiters, 0, INT_MAX)}",
             ]
             return _finish("WAITING", words, MAX_LINE)
+        case ParkAsk(workload=workload, turn=turn):
+            words = [
+                "PARK",
+                _one_name("PARK", [workload]),
+                f"turn={check_int('PARK', 'turn', turn, 0)}",
+            ]
+            return _finish("PARK", words, MAX_LINE)
         case Event(body=body):
             if not isinstance(body, dict):
                 _bad(f"EVENT: body must be a dict, got {type(body).__name__}")

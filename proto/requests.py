@@ -18,6 +18,8 @@ from proto.framing import decode_line, split_args
 from proto.messages import (
     Acquire,
     Hello,
+    Parked,
+    ParkFallback,
     ParkMode,
     Ping,
     Register,
@@ -59,9 +61,10 @@ class _Verb:
 _VERBS: dict[str, _Verb] = {
     "HELLO": _Verb(False, ("proto", "client")),
     "PING": _Verb(False),
-    "REGISTER": _Verb(True, ("gpu", "pid", "tree", "park", "parked_max")),
+    "REGISTER": _Verb(True, ("gpu", "pid", "tree", "park", "parked_max", "fallback", "ask")),
     "ACQUIRE": _Verb(True, ("wait",)),
     "RELEASE": _Verb(True, ("turn", "park"), required=("turn",)),
+    "PARKED": _Verb(True, ("turn", "ok"), required=("turn",)),
     "UNREGISTER": _Verb(True),
     "STATUS": _Verb(False),
     "WATCH": _Verb(False),
@@ -148,7 +151,20 @@ def _register(workload: str, pairs: dict[str, str]) -> Register:
                 ErrorCode.BAD_ARGUMENT,
                 f"REGISTER: parked_max must be <= {format_size(PARKED_MAX_LIMIT)}, got {raw}",
             )
-    return Register(workload, gpu=gpu, pid=pid, tree=tree, park=park, parked_max=parked_max)
+    fallback = ParkFallback(
+        parse_choice("REGISTER", "fallback", pairs.get("fallback", "none"), tuple(ParkFallback))
+    )
+    ask = parse_choice("REGISTER", "ask", pairs.get("ask", "0"), ("1", "0")) == "1"
+    return Register(
+        workload,
+        gpu=gpu,
+        pid=pid,
+        tree=tree,
+        park=park,
+        parked_max=parked_max,
+        fallback=fallback,
+        ask=ask,
+    )
 
 
 def _acquire(workload: str, pairs: dict[str, str]) -> Acquire:
@@ -164,12 +180,20 @@ def _release(workload: str, pairs: dict[str, str]) -> Release:
     return Release(workload, turn=turn, park=park)
 
 
+def _parked(workload: str, pairs: dict[str, str]) -> Parked:
+    # turn=0 answers a PARK that named no turn (a workload never granted).
+    turn = parse_int("PARKED", "turn", pairs["turn"], 0)
+    ok = parse_choice("PARKED", "ok", pairs.get("ok", "1"), ("1", "0")) == "1"
+    return Parked(workload, turn=turn, ok=ok)
+
+
 _BUILDERS: dict[str, Callable[[str, dict[str, str]], Request]] = {
     "HELLO": _hello,
     "PING": lambda _w, _p: Ping(),
     "REGISTER": _register,
     "ACQUIRE": _acquire,
     "RELEASE": _release,
+    "PARKED": _parked,
     "UNREGISTER": lambda w, _p: Unregister(w),
     "STATUS": lambda _w, _p: Status(),
     "WATCH": lambda _w, _p: Watch(),
@@ -205,6 +229,14 @@ def encode_request(msg: Request) -> bytes:
             ]
             if park != ReleasePark.LAZY:
                 words.append(f"park={parse_choice('RELEASE', 'park', park, tuple(ReleasePark))}")
+        case Parked(workload=workload, turn=turn, ok=ok):
+            words = [
+                "PARKED",
+                _name("PARKED", workload),
+                f"turn={check_int('PARKED', 'turn', turn, 0)}",
+            ]
+            if not ok:
+                words.append("ok=0")
         case Unregister(workload=workload):
             words = ["UNREGISTER", _name("UNREGISTER", workload)]
         case Status():
@@ -237,4 +269,13 @@ def _encode_register(msg: Register) -> list[str]:
     parked_max = check_int("REGISTER", "parked_max", msg.parked_max, 0, PARKED_MAX_LIMIT)
     if parked_max:
         words.append(f"parked_max={format_size(parked_max)}")
+    fallback = parse_choice("REGISTER", "fallback", msg.fallback, tuple(ParkFallback))
+    if fallback != ParkFallback.NONE:
+        words.append(f"fallback={fallback}")
+    if not isinstance(msg.ask, bool):
+        raise ProtocolError(
+            ErrorCode.BAD_ARGUMENT, f"REGISTER: ask must be a bool, got {msg.ask!r}"
+        )
+    if msg.ask:
+        words.append("ask=1")
     return words

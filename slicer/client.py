@@ -73,6 +73,8 @@ def _ok_or_raise(msg: proto.Reply) -> proto.Ok:
 def _register_req(name: str, **kw: Any) -> proto.Register:
     if "park" in kw:
         kw["park"] = proto.ParkMode(kw["park"])
+    if "fallback" in kw:
+        kw["fallback"] = proto.ParkFallback(kw["fallback"])
     if isinstance(kw.get("parked_max"), str):
         kw["parked_max"] = proto.parse_size(kw["parked_max"])
     if kw.get("gpu") is not None:
@@ -153,7 +155,7 @@ class AsyncSlicer:
         await self.request(proto.Ping())
 
     async def register(self, name: str, **kw: Any) -> dict[str, str]:
-        """REGISTER (keywords: gpu, pid, tree, park, parked_max)."""
+        """REGISTER (keywords: gpu, pid, tree, park, parked_max, fallback, ask)."""
         return (await self.request(_register_req(name, **kw))).fields
 
     async def acquire(self, name: str, wait: float | None = None) -> Turn:
@@ -167,6 +169,10 @@ class AsyncSlicer:
     async def unregister(self, name: str) -> None:
         """UNREGISTER."""
         await self.request(proto.Unregister(name))
+
+    async def parked(self, name: str, turn: int, ok: bool = True) -> None:
+        """PARKED: answer a PARK event (`ok` False: this registrant could not park it)."""
+        await self.request(proto.Parked(name, turn, ok))
 
     async def status(self) -> dict[str, Any]:
         """STATUS as a dict."""
@@ -263,7 +269,7 @@ class Slicer:
         return name
 
     def register(self, name: str | None = None, **kw: Any) -> dict[str, str]:
-        """REGISTER (keywords: gpu, pid, tree, park, parked_max)."""
+        """REGISTER (keywords: gpu, pid, tree, park, parked_max, fallback, ask)."""
         name = self._name(name)
         self.workload = name
         return self.request(_register_req(name, **kw)).fields

@@ -37,19 +37,36 @@ class Config:
     foreign: str = "block"
     log_level: str = "info"
     max_connections: int = 1024
+    # Per uid; root and allow_group members are exempt. The last `reserved_connections`
+    # of `max_connections` are kept for them, so a flood of one user never locks out an
+    # operator's slicerctl or a root launcher's re-REGISTER.
+    max_connections_per_uid: int = 64
+    reserved_connections: int = 32
     max_workloads: int = 256
     max_queue: int = 4096
     write_timeout: float = 10.0
+    # How long a registrant asked to PARK its cooperative workload has to answer.
+    registrant_park_timeout: float = 60.0
+    # Each journal save is fsynced (file and directory) before it counts as written.
+    journal_fsync: bool = True
 
     def validate(self) -> Config:
         """Return self, or raise ConfigError naming the first bad value."""
-        for key in ("park_timeout", "restore_timeout", "fault_kill_after", "write_timeout"):
+        for key in (
+            "park_timeout",
+            "restore_timeout",
+            "fault_kill_after",
+            "write_timeout",
+            "registrant_park_timeout",
+        ):
             value = getattr(self, key)
             if not (0 < value < 86400):
                 raise ConfigError(f"{key} must be in (0, 86400) seconds, got {value}")
-        for key in ("max_connections", "max_workloads", "max_queue"):
+        for key in ("max_connections", "max_connections_per_uid", "max_workloads", "max_queue"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1")
+        if self.reserved_connections < 0:
+            raise ConfigError("reserved_connections must be >= 0")
         if self.gpu_backend not in ("nvml", "fake"):
             raise ConfigError(f"gpu_backend must be nvml or fake, got {self.gpu_backend!r}")
         if self.foreign not in ("block", "ignore"):
@@ -79,6 +96,8 @@ def _coerce(key: str, value: Any) -> Any:
         if kind == "float" and isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
         if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind == "bool" and isinstance(value, bool):
             return value
         if kind.startswith("str") and isinstance(value, str):
             return value

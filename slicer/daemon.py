@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -17,7 +18,7 @@ from slicer import __version__
 from slicer.config import Config, load
 from slicer.errors import SlicerError
 from slicer.gpu import open_backend
-from slicer.journal import Journal
+from slicer.journal import Journal, JournalError, StateDirLocked, StateLock
 from slicer.listen import open_listener
 from slicer.notify import sd_notify, watchdog_interval
 from slicer.park import CheckpointParker, ToolRunner
@@ -32,29 +33,48 @@ def _tool_path(cfg: Config) -> str:
     return os.path.abspath(found or cfg.cuda_checkpoint)
 
 
-async def serve(cfg: Config, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+EX_CONFIG = 78  # an unreadable journal: slicer.service does not restart on it
+
+
+async def serve(
+    cfg: Config, *, discard_journal: bool = False, task_status: Any = trio.TASK_STATUS_IGNORED
+) -> None:
     """Run the daemon for `cfg` until SIGTERM/SIGINT or cancellation."""
     backend = open_backend(cfg.gpu_backend)
-    os.makedirs(cfg.state_dir, mode=0o750, exist_ok=True)
+    try:
+        os.makedirs(cfg.state_dir, mode=0o750, exist_ok=True)
+    except OSError as e:
+        raise SlicerError(f"cannot create state dir {cfg.state_dir}: {e}") from e
+    lock = StateLock(cfg.state_dir)
+    lock.acquire()  # before anything reads the journal: one owner per state dir
+    journal = Journal(cfg.state_dir, fsync=cfg.journal_fsync)
+    if discard_journal and (aside := journal.discard()) is not None:
+        log.warning("--discard-journal: moved %s to %s", journal.path, aside)
+    entries = journal.load()
     devices = backend.devices()
     limits = Limits(
         max_workloads=cfg.max_workloads,
         max_queue=cfg.max_queue,
         fault_kill_after=cfg.fault_kill_after,
+        registrant_park_timeout=cfg.registrant_park_timeout,
     )
     sm = SlicerState([(d.index, d.uuid) for d in devices], limits)
     listener, owned = open_listener(cfg.socket, cfg.socket_mode, cfg.socket_group)
     try:
-        async with trio.open_nursery() as nursery:
-            parker = CheckpointParker(_tool_path(cfg), ToolRunner(nursery))
-            server = Server(cfg, sm, backend, parker, Journal(cfg.state_dir))
-            await nursery.start(server.run, listener)
-            log.info("slicerd %s listening on %s (%d GPUs)", __version__, cfg.socket, len(devices))
-            sd_notify("READY=1\nSTATUS=serving")
-            task_status.started(server)
-            if (every := watchdog_interval()) is not None:
-                nursery.start_soon(_watchdog, every)
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        # Signals are caught before READY=1: a SIGTERM right after it must still stop
+        # the daemon cleanly (socket removed, lock released), never by the default action.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                parker = CheckpointParker(_tool_path(cfg), ToolRunner(nursery))
+                server = Server(cfg, sm, backend, parker, journal, entries)
+                await nursery.start(server.run, listener)
+                log.info(
+                    "slicerd %s listening on %s (%d GPUs)", __version__, cfg.socket, len(devices)
+                )
+                sd_notify("READY=1\nSTATUS=serving")
+                task_status.started(server)
+                if (every := watchdog_interval()) is not None:
+                    nursery.start_soon(_watchdog, every)
                 async for signum in signals:
                     log.info("signal %d: stopping", signum)
                     sd_notify("STOPPING=1")
@@ -64,6 +84,7 @@ async def serve(cfg: Config, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> 
         if owned:
             with contextlib.suppress(OSError):
                 os.unlink(cfg.socket)
+        lock.release()
 
 
 async def _watchdog(every: float) -> None:
@@ -85,9 +106,17 @@ async def _watchdog(every: float) -> None:
 @click.option("--park-timeout", type=float)
 @click.option("--restore-timeout", type=float)
 @click.option("--fault-kill-after", type=float)
+@click.option(
+    "--registrant-park-timeout", type=float, help="Bound on a registrant's answer to PARK."
+)
 @click.option("--foreign", type=click.Choice(["block", "ignore"]))
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
-def main(config_path: str | None, **flags: Any) -> None:
+@click.option(
+    "--discard-journal",
+    is_flag=True,
+    help="Move an unreadable journal aside and start without it (see README).",
+)
+def main(config_path: str | None, discard_journal: bool, **flags: Any) -> None:
     """Grant exclusive, connection-bound GPU turns over a Unix socket."""
     try:
         cfg = load(config_path, flags)
@@ -99,7 +128,10 @@ def main(config_path: str | None, **flags: Any) -> None:
         stream=sys.stderr,
     )
     try:
-        trio.run(serve, cfg)
+        trio.run(functools.partial(serve, cfg, discard_journal=discard_journal))
+    except (JournalError, StateDirLocked) as e:
+        log.error("%s", e)
+        sys.exit(EX_CONFIG)
     except SlicerError as e:
         log.error("%s", e)
         sys.exit(1)

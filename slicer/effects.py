@@ -61,8 +61,35 @@ class Restore:
     wid: int
     workload: str
     gpu: int
-    pids: tuple[int, ...]
+    procs: tuple[tuple[int, int], ...]  # (pid, start time) of each checkpointed process
     nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class AskPark:
+    """Send `PARK workload turn=T` to the registrant `conn` and, unless it answers first,
+    call `SlicerState.ask_expired(op)` after `timeout` seconds."""
+
+    op: int
+    conn: ConnId
+    workload: str
+    turn: int
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class Recover:
+    """After a restart: read the real state of each journaled process of `workload`, wait
+    for any cuda-checkpoint still running on them, finish or roll back the journaled
+    `intent` ("park" or "restore"), and report with `SlicerState.recover_done(op)`."""
+
+    op: int
+    wid: int
+    workload: str
+    gpu: int
+    intent: str
+    procs: tuple[tuple[int, int], ...]
+    parked_max: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +163,8 @@ Effect = (
     | Reply
     | Deny
     | Park
+    | AskPark
+    | Recover
     | Restore
     | Verify
     | Recheck

@@ -81,3 +81,11 @@ class ParkFailed(RequestError):
 
 class LimitReached(RequestError):
     """A configured limit (workloads, queue length, connections) is reached."""
+
+
+class InUse(RequestError):
+    """A process of the registering tree already belongs to another live workload."""
+
+
+class NotAsked(RequestError):
+    """A PARKED answer names no PARK the slicer is waiting for."""

@@ -13,13 +13,29 @@ resident": granting it needs no restore.
     ACTIVE     -> IDLE (lazy release)      | PARKING (release now, holder died, registrant
                                              left) | FAULTED
     IDLE       -> ACTIVE (re-acquire)      | PARKING (someone else is at the queue head)
-    PARKING    -> PARKED | FAULTED
-    PARKED     -> RESTORING (checkpoint)   | ACTIVE (cooperative: the workload restores
-                                             itself when granted)
-    RESTORING  -> ACTIVE | IDLE (its waiter left meanwhile) | FAULTED
+    PARKING    -> PARKED | FAULTED         | IDLE (recovery: the interrupted park never
+                                             touched the processes)
+    PARKED     -> RESTORING (checkpointed) | ACTIVE (cooperative: the workload restores
+                                             itself when granted) | IDLE (recovery: the
+                                             processes were found running) | FAULTED
+                                             (recovery: the driver reports them failed)
+    RESTORING  -> ACTIVE | IDLE (its waiter left meanwhile, or recovery finished the
+                  restore) | PARKED (recovery: the restore never started) | FAULTED
     FAULTED    -> (terminal: the record is dropped when its processes hold no GPU memory)
 
 Any other change raises `IllegalTransition` and leaves the record as it was.
+
+A cooperative workload is parked by whoever holds its turn (the dispatcher sleeps vLLM).
+When nobody can (the holder died), the park op goes through stages (`ParkStage`): VERIFY
+what the backend sees; ASK the registrant to park it (`PARK` event) within a bound;
+REVERIFY; then CHECKPOINT it as a fallback where the workload allows it; FAULT only when
+all of that failed. A checkpoint-parked workload (its `parked_procs` is not empty) is
+restored with cuda-checkpoint before its next grant, whatever its park mode.
+
+After a restart, a workload journaled in the middle of a park or restore, or parked with
+checkpointed processes, is *recovering*: its GPU runs one RECOVER op for it (the server
+asks the driver for each process's real state and finishes or rolls back the op) before
+anything else happens on that GPU.
 """
 
 from __future__ import annotations
@@ -30,6 +46,8 @@ from dataclasses import dataclass, field
 
 from slicer.effects import ConnId
 from slicer.errors import IllegalTransition
+
+Ident = tuple[int, int]  # (pid, start time in clock ticks): a process, never a pid alone
 
 
 class WState(enum.StrEnum):
@@ -48,9 +66,9 @@ TRANSITIONS: dict[WState, frozenset[WState]] = {
     WState.REGISTERED: frozenset({WState.ACTIVE, WState.IDLE}),
     WState.ACTIVE: frozenset({WState.IDLE, WState.PARKING, WState.FAULTED}),
     WState.IDLE: frozenset({WState.ACTIVE, WState.PARKING}),
-    WState.PARKING: frozenset({WState.PARKED, WState.FAULTED}),
-    WState.PARKED: frozenset({WState.RESTORING, WState.ACTIVE}),
-    WState.RESTORING: frozenset({WState.ACTIVE, WState.IDLE, WState.FAULTED}),
+    WState.PARKING: frozenset({WState.PARKED, WState.FAULTED, WState.IDLE}),
+    WState.PARKED: frozenset({WState.RESTORING, WState.ACTIVE, WState.IDLE, WState.FAULTED}),
+    WState.RESTORING: frozenset({WState.ACTIVE, WState.IDLE, WState.PARKED, WState.FAULTED}),
     WState.FAULTED: frozenset(),
 }
 
@@ -80,12 +98,27 @@ class Workload:
     last_park_ms: int | None = None
     last_restore_ms: int | None = None
     parked_bytes: int = 0
-    parked_pids: tuple[int, ...] = ()
+    # The (pid, start time) of each process checkpointed by the last park: what a restore
+    # must bring back. Empty for a cooperative park (the workload freed the GPU itself).
+    parked_procs: tuple[Ident, ...] = ()
+    # What cooperative workloads may fall back to when they cannot park themselves.
+    fallback: str = "none"
+    # The registrant answers PARK events (it can park the workload itself).
+    ask: bool = False
+    # A checkpoint park in flight: the processes handed to the tool and the bytes they
+    # held, journaled before the tool runs so that a restarted daemon knows whom to ask.
+    op_procs: tuple[Ident, ...] = ()
+    op_bytes: int = 0
+    # Set by a restart: "park" or "restore", the journaled intent that recovery finishes
+    # or rolls back before anything else happens on the GPU.
+    recover: str | None = None
     fault_reason: str | None = None
     last_turn: int = 0
     # Set when the turn ended in a way that leaves the state dirty (RELEASE park=now, a
     # holder that was not the registrant died): park before anything else happens.
     must_park: bool = False
+    # The turn ended because its holder's connection closed (it died mid-turn).
+    holder_died: bool = False
     # The RELEASE waiting for this workload's park to answer it.
     park_reply: ConnId | None = None
     # A recovered, still-resident cooperative orphan is left alone until then, so that
@@ -129,6 +162,16 @@ class OpKind(enum.StrEnum):
     PARK = "park"
     RESTORE = "restore"
     VERIFY = "verify"
+    RECOVER = "recover"
+
+
+class ParkStage(enum.StrEnum):
+    """Where a park op stands (see the theory of operation above)."""
+
+    VERIFY = "verify"  # the backend is read (cooperative), or the tool runs (checkpoint)
+    ASK = "ask"  # the registrant was sent PARK and has not answered yet
+    REVERIFY = "reverify"  # after the registrant's answer (or its silence)
+    CHECKPOINT = "checkpoint"  # the cuda-checkpoint fallback of a cooperative workload
 
 
 @dataclass(slots=True)
@@ -139,6 +182,7 @@ class Op:
     op_id: int
     workload: Workload
     reply_conn: ConnId | None = None
+    stage: ParkStage = ParkStage.VERIFY
 
 
 @dataclass

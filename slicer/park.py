@@ -140,6 +140,34 @@ class CheckpointParker:
             return out
         return await self._step(pids, ["--action", "unlock"], deadline, "unlock")
 
+    async def get_state(self, pid: int, timeout: float) -> str:
+        """The driver's CUDA state of `pid`: running, locked, checkpointed, failed (or a
+        transient checkpointing/restoring); "none" for a process without CUDA state or
+        one that is gone; "error: ..." when the tool failed otherwise or did not answer."""
+        res = await self.runner.run([self.path, "--get-state", "--pid", str(pid)], timeout)
+        if res is None:
+            return "error: --get-state did not answer"
+        if res.ok:
+            words = res.stdout.split()
+            return words[-1].lower() if words else "error: --get-state printed nothing"
+        msg = (res.stderr or res.stdout).strip().replace("\n", " ")[:300]
+        if "not a CUDA process" in msg or "no such process" in msg:
+            return "none"
+        return f"error: rc={res.returncode} {msg}"
+
+    async def act(self, pids: list[int], action: str, timeout: float) -> Outcome:
+        """One `--action` (lock, checkpoint, restore, unlock) on every pid; recovery's
+        building block (lock gets `--timeout` like a park's)."""
+        deadline = trio.current_time() + timeout
+        args = ["--action", action]
+        if action == "lock":
+            args += ["--timeout", str(max(1, int(timeout * 1000)))]
+        return await self._step(pids, args, deadline, action)
+
+    async def act_toggle(self, pids: list[int], timeout: float) -> Outcome:
+        """`--toggle` every pid (r550 drivers), recovery's building block there."""
+        return await self._step(pids, ["--toggle"], trio.current_time() + timeout, "toggle")
+
     async def _step(self, pids: list[int], args: list[str], deadline: float, what: str) -> Outcome:
         results: dict[int, ToolResult | None] = {}
 

@@ -86,18 +86,43 @@ def children_map() -> dict[int, list[int]]:
     return out
 
 
+def children_of(pid: int) -> list[int] | None:
+    """The child pids of `pid` from /proc/PID/task/*/children, or None where the kernel
+    lacks that file (CONFIG_PROC_CHILDREN): reading a tree this way costs its size, not
+    a pass over every process of the node."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out += [int(c) for c in f.read().split()]
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue  # the thread just ended
+            return None
+        except OSError:
+            continue
+    return out
+
+
 def tree(
     ident: Ident, descendants: bool = True, children: dict[int, list[int]] | None = None
 ) -> list[int]:
-    """The live pids of the process and (optionally) all its descendants."""
+    """The live pids of the process and (optionally) all its descendants (from
+    `children`, else from the per-process children files, else one /proc pass)."""
     if not alive(ident):
         return []
     pids = [ident[0]]
     if descendants:
-        kids = children if children is not None else children_map()
         i = 0
         while i < len(pids):
-            pids += kids.get(pids[i], [])
+            kids = children.get(pids[i], []) if children is not None else children_of(pids[i])
+            if kids is None:
+                return tree(ident, descendants, children_map())
+            pids += kids if children is not None else [k for k in kids if _stat(k) is not None]
             i += 1
     return pids
 
@@ -112,3 +137,35 @@ def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> int:
         except ProcessLookupError:
             pass
     return n
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def tool_runs(tool: str, pids: set[int]) -> dict[int, int]:
+    """Live runs of the executable `tool` (matched by its file name among the first two
+    argv words, so a script run by its interpreter counts) that act on one of `pids`:
+    tool pid -> target pid. One pass over /proc; used only at recovery."""
+    name = os.path.basename(tool)
+    out: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        argv = _cmdline(int(entry))
+        if not any(os.path.basename(a) == name for a in argv[:2]) or "--pid" not in argv:
+            continue
+        i = argv.index("--pid")
+        target = argv[i + 1] if i + 1 < len(argv) else ""
+        if target.isdigit() and int(target) in pids and start_time(int(entry)) is not None:
+            out[int(entry)] = int(target)
+    return out
+
+
+# Whether this kernel has /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN).
+HAS_CHILDREN_FILES = children_of(os.getpid()) is not None

@@ -2,8 +2,14 @@
 
 The server decides nothing. It parses a line, asks `SlicerState`, and performs the effects
 it gets back in order: replies and events go into each connection's bounded outbox (a
-client that stops reading is dropped, never waited for); parks and restores run as tasks,
-one GPU never waiting for another; verification reads the GPU backend inline.
+client that stops reading is dropped, never waited for); parks, restores and recoveries
+run as tasks, one GPU never waiting for another; verification reads the GPU backend inline.
+
+No client can stall it: effects are performed by one loop (never by recursion), requests a
+connection pipelined behind a waiting one are resumed by that loop, a connection yields to
+the others after every line it sends, and connections are limited per uid with room kept
+for root. Every GPU operation in flight has an *owner* (the task or inline step performing
+it), which always reports a result, also when it fails; STATUS shows it (`op_owner`).
 """
 
 from __future__ import annotations
@@ -16,15 +22,17 @@ import socket
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import trio
 
 import proto
 from proto import Err, ErrorCode, Fault, Ok, Waiting
-from slicer import __version__, census, errors, procs
+from slicer import __version__, census, errors, procs, recovery
 from slicer.config import Config
 from slicer.effects import (
+    AskPark,
     Deny,
     Effect,
     Emit,
@@ -33,6 +41,7 @@ from slicer.effects import (
     Persist,
     Reap,
     Recheck,
+    Recover,
     Reply,
     Restore,
     SendFault,
@@ -40,7 +49,7 @@ from slicer.effects import (
     Verify,
 )
 from slicer.gpu import GpuBackend
-from slicer.journal import Journal
+from slicer.journal import Journal, JournalError
 from slicer.park import CheckpointParker, Outcome
 from slicer.state import ProcessInfo, SlicerState
 
@@ -49,6 +58,8 @@ log = logging.getLogger("slicer.server")
 OUTBOX = 1024  # lines; a watcher further behind than this is dropped
 MAX_BACKLOG = 64  # requests pipelined behind one that waits
 REAP_EVERY = 0.25
+JOURNAL_RETRY = 1.0  # seconds between attempts to write a journal that failed to write
+CHILDREN_TTL = 0.1  # a whole-/proc children map is shared this long (fallback path only)
 
 _CODES: dict[type[errors.RequestError], ErrorCode] = {
     errors.UnknownWorkload: ErrorCode.UNKNOWN_WORKLOAD,
@@ -65,6 +76,8 @@ _CODES: dict[type[errors.RequestError], ErrorCode] = {
     errors.NotRegistrant: ErrorCode.NOT_REGISTRANT,
     errors.ParkFailed: ErrorCode.PARK_FAILED,
     errors.LimitReached: ErrorCode.LIMIT,
+    errors.InUse: ErrorCode.IN_USE,
+    errors.NotAsked: ErrorCode.NOT_ASKED,
 }
 
 
@@ -167,6 +180,7 @@ class Server:
         backend: GpuBackend,
         parker: CheckpointParker,
         journal: Journal,
+        entries: list[dict[str, Any]] | None = None,
     ) -> None:
         self.cfg, self.sm, self.backend, self.parker, self.journal = (
             cfg,
@@ -182,6 +196,17 @@ class Server:
         self._rechecks: set[Recheck] = set()
         self.started = time.monotonic()
         self._allow_gid = grp.getgrnam(cfg.allow_group).gr_gid if cfg.allow_group else None
+        self._entries = entries or []
+        self._work: deque[Effect] = deque()
+        self._resume: deque[Connection] = deque()
+        self._applying = False
+        # op id -> (token, what): who performs the GPU operation in flight.
+        self._owners: dict[int, tuple[object, str]] = {}
+        self._asks: dict[int, trio.CancelScope] = {}
+        self._per_uid: dict[int, int] = {}
+        self.journal_error: str | None = None
+        self._journal_retrying = False
+        self._children: tuple[float, dict[int, list[int]]] = (-1.0, {})
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -202,8 +227,9 @@ class Server:
             task_status.started()
 
     def _recover(self) -> None:
-        entries = self.journal.load()
+        entries = self._entries
         for e in entries:
+            _upgrade_entry(e)
             ident = (int(e.get("pid", 0)), int(e.get("start_time", 0)))
             e["alive"] = procs.alive(ident)
             e["resident_bytes"] = 0
@@ -235,15 +261,18 @@ class Server:
         except OSError:
             await stream.aclose()
             return
-        if len(self.conns) >= self.cfg.max_connections:
+        trusted = self._in_allow_group(pid, gid)
+        refused = self._refuse(uid, exempt=uid == 0 or trusted)
+        if refused:
             with trio.move_on_after(1):
-                err = Err(ErrorCode.LIMIT, text=f"at most {self.cfg.max_connections} connections")
-                await stream.send_all(proto.encode(err))
-            await stream.aclose()
+                await stream.send_all(proto.encode(Err(ErrorCode.LIMIT, text=refused)))
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await stream.aclose()
             return
         conn = Connection(next(self._ids), stream, pid, uid)
         self.conns[conn.cid] = conn
-        self.sm.connect(conn.cid, uid, pid, trusted=self._in_allow_group(pid, gid))
+        self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
+        self.sm.connect(conn.cid, uid, pid, trusted=trusted)
         flush = False
         try:
             async with trio.open_nursery() as n:
@@ -261,6 +290,10 @@ class Server:
             log.exception("connection %d (pid %d) failed", conn.cid, pid)
         finally:
             del self.conns[conn.cid]
+            if (left := self._per_uid[uid] - 1) > 0:
+                self._per_uid[uid] = left
+            else:
+                del self._per_uid[uid]
             self.watchers.discard(conn)
             try:
                 self._apply(self.sm.conn_closed(conn.cid, _now()))
@@ -268,6 +301,23 @@ class Server:
                 log.exception("closing connection %d failed", conn.cid)
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await stream.aclose()
+
+    def _refuse(self, uid: int, exempt: bool) -> str:
+        """Why a new connection of `uid` is refused ("" when it is not)."""
+        cfg = self.cfg
+        total = len(self.conns)
+        if total >= cfg.max_connections:
+            return f"at most {cfg.max_connections} connections"
+        if exempt:
+            return ""
+        # Room kept for root and allow_group: an operator can always inspect, a root
+        # launcher can always re-register.
+        reserve = min(cfg.reserved_connections, cfg.max_connections // 2)
+        if total >= cfg.max_connections - reserve:
+            return f"at most {cfg.max_connections - reserve} connections for unprivileged users"
+        if self._per_uid.get(uid, 0) >= cfg.max_connections_per_uid:
+            return f"at most {cfg.max_connections_per_uid} connections per uid (uid {uid})"
+        return ""
 
     def _in_allow_group(self, pid: int, gid: int) -> bool:
         if self._allow_gid is None:
@@ -301,16 +351,23 @@ class Server:
             except proto.LineTooLong as e:
                 conn.send(proto.encode(Err.from_error(e)))
                 return True
-            for line in lines:
+            for i, line in enumerate(lines):
                 if conn.watching:
-                    continue  # a WATCH stream takes no more requests
+                    break  # a WATCH stream takes no more requests
                 if conn.pending or conn.backlog:
-                    if len(conn.backlog) >= MAX_BACKLOG:
+                    # Behind a request that waits: the rest of what arrived is queued at
+                    # once, in order, so a resume never finds a half-read pipeline.
+                    rest = lines[i:]
+                    if len(conn.backlog) + len(rest) > MAX_BACKLOG:
                         conn.drop(f"more than {MAX_BACKLOG} requests pipelined")
                         return False
-                    conn.backlog.append(line)
-                else:
-                    self._dispatch(conn, line)
+                    conn.backlog.extend(rest)
+                    break
+                self._dispatch(conn, line)
+                if i + 1 < len(lines) and not conn.pending:
+                    # One connection's burst never holds the loop: every other connection
+                    # (and the watchdog) gets its turn between two of its answered lines.
+                    await trio.lowlevel.checkpoint()
 
     def _dispatch(self, conn: Connection, line: bytes) -> None:
         try:
@@ -345,6 +402,9 @@ class Server:
                 case proto.Unregister():
                     conn.pending = True
                     fx = self.sm.unregister(conn.cid, req.workload, now)
+                case proto.Parked():
+                    conn.pending = True
+                    fx = self.sm.parked_answer(conn.cid, req.workload, req.turn, req.ok, now)
                 case proto.Status():
                     conn.send(proto.encode(Ok(body=self.status())))
                 case proto.Watch():
@@ -354,6 +414,13 @@ class Server:
         except errors.RequestError as e:
             conn.pending = False
             conn.send(proto.encode(Err(error_code(e), text=str(e))))
+            return
+        except Exception as e:
+            # A bug must cost this one request, never the connection's place in line
+            # or the daemon: the state machine validates before it changes anything.
+            log.exception("request %r of connection %d failed", line[:80], conn.cid)
+            conn.pending = False
+            conn.send(proto.encode(Err(ErrorCode.INTERNAL, text=f"{type(e).__name__}: {e}")))
             return
         self._apply(fx)
 
@@ -377,7 +444,23 @@ class Server:
             req.parked_max,
             taken.of(0),
             now,
+            fallback=str(req.fallback),
+            sharing=self._sharing((pid, start), req.tree),
+            ask=req.ask,
         )
+
+    def _sharing(self, ident: procs.Ident, tree: bool) -> list[int]:
+        """The wids of tracked workloads whose process trees overlap the tree of `ident`."""
+        mine = list(procs.ancestry(ident[0]))
+        out = []
+        for w in self.sm.workloads():
+            root = (w.pid, int(w.start_time))
+            # The new process lies in w's tree, or w's root lies in the new tree.
+            inside = any(a == root and (w.tree or depth == 0) for depth, a in enumerate(mine))
+            holds = tree and any(a == ident for a in procs.ancestry(w.pid)) and procs.alive(root)
+            if inside or holds:
+                out.append(w.wid)
+        return out
 
     async def _wait_timer(self, conn: Connection, scope: trio.CancelScope) -> None:
         with scope:
@@ -388,7 +471,7 @@ class Server:
 
     # ---- effects ---------------------------------------------------------------------
 
-    def _reply(self, cid: int, data: bytes, resumed: list[Connection]) -> None:
+    def _reply(self, cid: int, data: bytes) -> None:
         conn = self.conns.get(cid)
         if conn is None:
             return
@@ -397,67 +480,175 @@ class Server:
         if conn.wait_scope is not None:
             conn.wait_scope.cancel()
             conn.wait_scope = None
-        resumed.append(conn)
+        if conn.backlog:
+            self._resume.append(conn)
 
     def _apply(self, fx: list[Effect]) -> None:
-        """Perform effects in order (Verify feeds its result back in place)."""
-        work = deque(fx)
-        resumed: list[Connection] = []
+        """Perform effects in order (Verify feeds its result back in place).
+
+        A call made while effects are being performed only queues: one loop performs
+        everything, then resumes, one request at a time, the connections whose pipelined
+        requests may go on. However long a chain of requests, nothing recurses: the
+        order is that of a depth-first walk (the connections a request resumed go before
+        the rest of its own connection's pipeline), kept on an explicit stack of frames.
+        """
+        self._work.extend(fx)
+        if self._applying:
+            return
+        self._applying = True
+        frames: list[deque[Connection]] = []
+        try:
+            while True:
+                while self._work:
+                    e = self._work.popleft()
+                    try:
+                        self._perform(e)
+                    except Exception as ex:
+                        log.exception("performing %s failed", type(e).__name__)
+                        self._work.extend(self._failed(e, ex))
+                if self._resume:
+                    frames.append(self._resume)
+                    self._resume = deque()
+                while frames and not frames[-1]:
+                    frames.pop()
+                if not frames:
+                    return
+                conn = frames[-1][0]
+                if conn.backlog and not conn.pending and conn.cid in self.conns:
+                    self._dispatch(conn, conn.backlog.popleft())
+                else:
+                    frames[-1].popleft()
+        finally:
+            self._applying = False
+
+    def _perform(self, e: Effect) -> None:
         nursery = self._nursery
         assert nursery is not None
-        while work:
-            e = work.popleft()
+        match e:
+            case Grant():
+                fields = {
+                    "turn": str(e.turn),
+                    "restored": "1" if e.restored else "0",
+                    "waited_ms": str(e.waited_ms),
+                }
+                self._reply(e.conn, proto.encode(Ok(fields)))
+            case Reply():
+                self._reply(e.conn, proto.encode(Ok(e.fields)))
+            case Deny():
+                self._reply(e.conn, proto.encode(Err(error_code(e.error), text=str(e.error))))
+            case Verify():
+                token = self._own(e.op, "verify")
+                try:
+                    self._work.extend(self.sm.verified(e.op, self._blockers(e), _now()))
+                finally:
+                    self._disown(e.op, token)
+            case Park() if e.mode == "cooperative":
+                self._end_ask(e.op)
+                token = self._own(e.op, "verify-parked")
+                try:
+                    self._work.extend(self._verify_parked(e))  # nothing to move: no task
+                finally:
+                    self._disown(e.op, token)
+            case Park():
+                self._end_ask(e.op)
+                nursery.start_soon(self._park, e, self._own(e.op, "park-task"))
+            case Restore():
+                nursery.start_soon(self._restore, e, self._own(e.op, "restore-task"))
+            case Recover():
+                nursery.start_soon(self._recover_op, e, self._own(e.op, "recover-task"))
+            case AskPark():
+                token = self._own(e.op, "registrant")
+                scope = trio.CancelScope()
+                self._asks[e.op] = scope
+                nursery.start_soon(self._ask_timer, e, token, scope)
+                if (c := self.conns.get(e.conn)) is not None:
+                    log.info("asking the registrant of %s to park it", e.workload)
+                    c.send(proto.encode(proto.ParkAsk(e.workload, e.turn)))
+            case Recheck():
+                if e not in self._rechecks:  # one timer per (gpu, delay)
+                    self._rechecks.add(e)
+                    nursery.start_soon(self._recheck, e)
+            case SendFault():
+                log.error("FAULT %s turn=%d reason=%s: %s", e.workload, e.turn, e.reason, e.text)
+                if (c := self.conns.get(e.conn)) is not None:
+                    c.send(proto.encode(Fault(e.workload, e.turn, e.reason, e.text)))
+            case SendWaiting():
+                if (c := self.conns.get(e.conn)) is not None:
+                    c.send(proto.encode(Waiting(e.workload, e.turn, e.waiters)))
+            case Reap():
+                nursery.start_soon(self._reap, e)
+            case Emit():
+                self._broadcast(e.body)
+            case Persist():
+                # Journaled before any later reply of this batch leaves (a grant must
+                # never reach a client before the park it follows is on disk).
+                self._persist()
+
+    def _failed(self, e: Effect, ex: Exception) -> list[Effect]:
+        """Results for a GPU operation whose effect could not be performed: its owner
+        always reports, so no GPU stays busy with nobody working on it."""
+        now, text = _now(), f"{type(ex).__name__}: {ex}"[:300]
+        try:
             match e:
-                case Grant():
-                    fields = {
-                        "turn": str(e.turn),
-                        "restored": "1" if e.restored else "0",
-                        "waited_ms": str(e.waited_ms),
-                    }
-                    self._reply(e.conn, proto.encode(Ok(fields)), resumed)
-                case Reply():
-                    self._reply(e.conn, proto.encode(Ok(e.fields)), resumed)
-                case Deny():
-                    err = Err(error_code(e.error), text=str(e.error))
-                    self._reply(e.conn, proto.encode(err), resumed)
                 case Verify():
-                    work.extend(self.sm.verified(e.op, self._blockers(e), _now()))
-                case Park() if e.mode == "cooperative":
-                    work.extend(self._verify_parked(e))  # nothing to move: no task
+                    return self.sm.verified(e.op, [{"reason": "server-error", "error": text}], now)
                 case Park():
-                    nursery.start_soon(self._park, e)
+                    return self.sm.park_done(e.op, False, 0, 0, (), "park-error", text, now)
                 case Restore():
-                    nursery.start_soon(self._restore, e)
-                case Recheck():
-                    if e not in self._rechecks:  # one timer per (gpu, delay)
-                        self._rechecks.add(e)
-                        nursery.start_soon(self._recheck, e)
-                case SendFault():
-                    log.error(
-                        "FAULT %s turn=%d reason=%s: %s", e.workload, e.turn, e.reason, e.text
-                    )
-                    if (c := self.conns.get(e.conn)) is not None:
-                        c.send(proto.encode(Fault(e.workload, e.turn, e.reason, e.text)))
-                case SendWaiting():
-                    if (c := self.conns.get(e.conn)) is not None:
-                        c.send(proto.encode(Waiting(e.workload, e.turn, e.waiters)))
-                case Reap():
-                    nursery.start_soon(self._reap, e)
-                case Emit():
-                    self._broadcast(e.body)
-                case Persist():
-                    # Journaled before any later reply of this batch leaves (a grant
-                    # must never reach a client before the park it follows is on disk).
-                    self._persist()
-        for conn in resumed:
-            while conn.backlog and not conn.pending and conn.cid in self.conns:
-                self._dispatch(conn, conn.backlog.popleft())
+                    return self.sm.restore_done(e.op, False, 0, "restore-error", text, now)
+                case Recover():
+                    return self.sm.recover_done(e.op, "fault", (), "recover-error", text, now)
+                case AskPark():
+                    return self.sm.ask_expired(e.op, now)
+        except Exception:
+            log.exception("reporting the failure of %s failed", type(e).__name__)
+        return []
+
+    def _own(self, op: int, what: str) -> object:
+        token = object()
+        self._owners[op] = (token, what)
+        return token
+
+    def _disown(self, op: int, token: object) -> None:
+        if self._owners.get(op, (None, ""))[0] is token:
+            del self._owners[op]
+
+    def _report(self, op: int, token: object, call: Callable[[], list[Effect]]) -> None:
+        """Feed a task's result to the state machine; the task stays the op's owner
+        until the result is in."""
+        try:
+            self._apply(call())
+        except Exception:
+            log.exception("reporting the result of op %d failed", op)
+        finally:
+            self._disown(op, token)
+
+    def _end_ask(self, op: int) -> None:
+        if (scope := self._asks.pop(op, None)) is not None:
+            scope.cancel()
 
     def _persist(self) -> None:
         try:
             self.journal.save(self.sm.journal())
-        except OSError as e:
-            log.error("cannot write journal %s: %s", self.journal.path, e)
+        except JournalError as e:
+            if self.journal_error is None:
+                log.error("%s; serving from memory, retrying every %.0f s", e, JOURNAL_RETRY)
+            self.journal_error = str(e)
+            if not self._journal_retrying and self._nursery is not None:
+                self._journal_retrying = True
+                self._nursery.start_soon(self._journal_retry)
+            return
+        if self.journal_error is not None:
+            log.warning("journal %s written again", self.journal.path)
+            self.journal_error = None
+
+    async def _journal_retry(self) -> None:
+        try:
+            while self.journal_error is not None:
+                await trio.sleep(JOURNAL_RETRY)
+                self._persist()
+        finally:
+            self._journal_retrying = False
 
     def _broadcast(self, body: dict[str, Any]) -> None:
         if not self.watchers:
@@ -495,22 +686,26 @@ class Server:
             log.error("GPU %d cannot be verified: %s", e.gpu, ex)
             return [{"reason": "backend-error", "error": str(ex)[:200]}]
 
-    async def _park(self, e: Park) -> None:
+    async def _park(self, e: Park, token: object) -> None:
         t0 = time.monotonic()
         before_bytes, after_bytes = 0, 0
-        pids: tuple[int, ...] = ()
+        parked: tuple[procs.Ident, ...] = ()
         try:
             before = self._census(e.gpu)
             before_bytes = before.of(e.wid)
-            pids = tuple(before.pids_by_wid.get(e.wid, []))
+            pids = before.pids_by_wid.get(e.wid, [])
+            parked = tuple((p, st) for p in pids if (st := procs.start_time(p)) is not None)
             out = Outcome(True)
-            if e.mode == "checkpoint" and pids:
-                out = await self.parker.park(list(pids), self.cfg.park_timeout)
-                if not out.ok and not any(procs.start_time(p) for p in pids):
+            if parked:
+                # Journaled before the tool runs: a daemon killed from here on finds the
+                # processes in the journal and asks the driver how far the park got.
+                self._apply(self.sm.park_started(e.op, parked, before_bytes))
+                out = await self.parker.park([p for p, _ in parked], self.cfg.park_timeout)
+                if not out.ok and not any(procs.alive(p) for p in parked):
                     # The processes exited under the tool (a workload ending right after
                     # its turn): the driver freed their memory, so nothing is left to park.
                     # The backend check below still decides.
-                    out, pids = Outcome(True), ()
+                    out, parked = Outcome(True), ()
             if out.ok:
                 after_bytes = self._census(e.gpu).of(e.wid)
                 if after_bytes > e.parked_max:
@@ -524,8 +719,13 @@ class Server:
             out = Outcome(False, "park-error", str(ex)[:300])
         ms = int((time.monotonic() - t0) * 1000)
         moved = max(0, before_bytes - after_bytes)
-        now = _now()
-        self._apply(self.sm.park_done(e.op, out.ok, ms, moved, pids, out.reason, out.text, now))
+        self._report(
+            e.op,
+            token,
+            lambda: self.sm.park_done(
+                e.op, out.ok, ms, moved, parked, out.reason, out.text, _now()
+            ),
+        )
 
     def _verify_parked(self, e: Park) -> list[Effect]:
         """A cooperative park: the workload freed the GPU itself; check it, through the
@@ -545,16 +745,52 @@ class Server:
         ms = int((time.monotonic() - t0) * 1000)
         return self.sm.park_done(e.op, out.ok, ms, 0, (), out.reason, out.text, _now())
 
-    async def _restore(self, e: Restore) -> None:
+    async def _restore(self, e: Restore, token: object) -> None:
         t0 = time.monotonic()
-        pids = [p for p in e.pids if procs.start_time(p) is not None]
+        pids = [p for p, st in e.procs if procs.start_time(p) == st]
         try:
-            out = await self.parker.restore(pids, self.cfg.restore_timeout)
+            if pids:
+                out = await self.parker.restore(pids, self.cfg.restore_timeout)
+            else:
+                # Never a success: its memory is nowhere to be brought back from.
+                out = Outcome(False, "restore-no-process", "no parked process of it lives")
         except Exception as ex:
             out = Outcome(False, "restore-error", str(ex)[:300])
         ms = int((time.monotonic() - t0) * 1000)
-        now = _now()
-        self._apply(self.sm.restore_done(e.op, out.ok, ms, out.reason, out.text, now))
+        self._report(
+            e.op,
+            token,
+            lambda: self.sm.restore_done(e.op, out.ok, ms, out.reason, out.text, _now()),
+        )
+
+    async def _recover_op(self, e: Recover, token: object) -> None:
+        bound = max(self.cfg.park_timeout, self.cfg.restore_timeout)
+        try:
+            res = await recovery.recover(self.parker, e.intent, e.procs, bound)
+            if res.result == "parked":
+                after = self._census(e.gpu).of(e.wid)
+                if after > e.parked_max:
+                    text = f"{after} bytes still on GPU {e.gpu} after recovery"
+                    res = recovery.Recovered("fault", (), "still-resident", text)
+        except Exception as ex:
+            res = recovery.Recovered("fault", (), "recover-error", str(ex)[:300])
+        log.info(
+            "recovered %s (%s): %s %s", e.workload, e.intent, res.result, res.text or res.reason
+        )
+        self._report(
+            e.op,
+            token,
+            lambda: self.sm.recover_done(e.op, res.result, res.procs, res.reason, res.text, _now()),
+        )
+
+    async def _ask_timer(self, e: AskPark, token: object, scope: trio.CancelScope) -> None:
+        with scope:
+            await trio.sleep(e.timeout)
+        if scope.cancelled_caught:
+            self._disown(e.op, token)  # answered: the op went on without this timer
+            return
+        self._asks.pop(e.op, None)
+        self._report(e.op, token, lambda: self.sm.ask_expired(e.op, _now()))
 
     async def _recheck(self, e: Recheck) -> None:
         await trio.sleep(e.delay)
@@ -588,17 +824,49 @@ class Server:
 
     # ---- status ----------------------------------------------------------------------
 
+    def _children_map(self) -> dict[int, list[int]] | None:
+        # Only where the kernel lacks /proc/PID/task/TID/children: then one whole-/proc
+        # pass is shared by every STATUS within CHILDREN_TTL, so a flood of STATUS costs
+        # one pass per interval, not one per request.
+        if procs.HAS_CHILDREN_FILES:
+            return None
+        at, kids = self._children
+        now = time.monotonic()
+        if now - at > CHILDREN_TTL:
+            kids = procs.children_map()
+            self._children = (now, kids)
+        return kids
+
     def status(self) -> dict[str, Any]:
-        """The STATUS body: version, uptime, GPUs, workloads (with live pids), totals."""
+        """The STATUS body: version, uptime, GPUs (with who performs the operation in
+        flight), workloads (with live pids), journal health, totals."""
         body = self.sm.status()
         workloads = self.sm.workloads()
-        children = procs.children_map() if any(w.tree for w in workloads) else {}
+        children = self._children_map() if any(w.tree for w in workloads) else {}
         for entry, w in zip(body["workloads"], workloads, strict=True):
             entry["pids"] = procs.tree((w.pid, int(w.start_time)), w.tree, children)
+        for entry in body["gpus"]:
+            op = self.sm.gpus[entry["index"]].op
+            owner = self._owners.get(op.op_id) if op is not None else None
+            entry["op_owner"] = owner[1] if owner is not None else None
         return {
             "version": __version__,
             "uptime_s": round(time.monotonic() - self.started, 3),
             "connections": len(self.conns),
             "tools_running": self.parker.runner.running,
+            "journal": {
+                "path": str(self.journal.path),
+                "ok": self.journal_error is None,
+                "error": self.journal_error,
+            },
             **body,
         }
+
+
+def _upgrade_entry(e: dict[str, Any]) -> None:
+    """Journals written before processes were journaled with their start times name
+    parked pids alone: pair each still-live one with its start time now."""
+    if "parked_procs" not in e and e.get("parked_pids"):
+        e["parked_procs"] = [
+            [int(p), st] for p in e["parked_pids"] if (st := procs.start_time(int(p))) is not None
+        ]

@@ -16,6 +16,7 @@ from typing import Any
 
 from slicer import errors
 from slicer.effects import (
+    AskPark,
     ConnId,
     Deny,
     Effect,
@@ -25,13 +26,26 @@ from slicer.effects import (
     Persist,
     Reap,
     Recheck,
+    Recover,
     Reply,
     Restore,
     SendFault,
     SendWaiting,
     Verify,
 )
-from slicer.model import RESIDENT, Conn, Gpu, Holder, Op, OpKind, Waiter, Workload, WState
+from slicer.model import (
+    RESIDENT,
+    Conn,
+    Gpu,
+    Holder,
+    Ident,
+    Op,
+    OpKind,
+    ParkStage,
+    Waiter,
+    Workload,
+    WState,
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,7 @@ class Limits:
     fault_kill_after: float = 60.0
     recheck_every: float = 0.5
     adopt_grace: float = 60.0
+    registrant_park_timeout: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,15 @@ class ProcessInfo:
     pid: int
     start_time: float
     uid: int
+
+
+def _idents(raw: Any) -> tuple[Ident, ...]:
+    """Journaled [[pid, start], ...] as idents (anything malformed is skipped)."""
+    out: list[Ident] = []
+    for item in raw if isinstance(raw, list) else []:
+        if isinstance(item, list) and len(item) == 2:
+            out.append((int(item[0]), int(item[1])))
+    return tuple(out)
 
 
 class SlicerState:
@@ -122,8 +146,9 @@ class SlicerState:
         held = self._holding(conn)
         if held is not None:
             w = self._end_turn(held, now, fx, reason="holder-closed")
-            # Its state may be dirty: park it before anyone else is granted.
-            w.must_park = True
+            # Its state may be dirty: park it before anyone else is granted, and do not
+            # trust what the backend sees right now (a wake may still be under way).
+            w.must_park = w.holder_died = True
             touched.add(held.index)
         for w in [w for w in self.registered.values() if w.registrant == conn]:
             touched.add(w.gpu)
@@ -134,6 +159,10 @@ class SlicerState:
         for w in self.workloads():
             if w.park_reply == conn:
                 w.park_reply = None
+        for gpu in self.gpus.values():
+            op = gpu.op
+            if op is not None and op.stage is ParkStage.ASK and op.workload.detached:
+                fx += self._after_ask(op, False, now)  # nobody is left to answer the PARK
         for index in sorted(touched):
             fx += self._reconcile(self.gpus[index], now)
         return fx
@@ -151,8 +180,14 @@ class SlicerState:
         parked_max: int,
         resident_bytes: int,
         now: float,
+        fallback: str = "none",
+        sharing: Iterable[int] = (),
+        ask: bool = False,
     ) -> list[Effect]:
-        """REGISTER: create the workload (or adopt an orphan of the same processes)."""
+        """REGISTER: create the workload (or adopt an orphan of the same processes).
+
+        `sharing`: the wids of tracked workloads whose process trees overlap the new one's
+        (measured by the server); a process belongs to at most one workload."""
         peer = self.conns[conn]
         if peer.uid != 0 and peer.uid != proc.uid:
             raise errors.Forbidden(f"uid {peer.uid} may not register pid {proc.pid}")
@@ -161,13 +196,18 @@ class SlicerState:
         if gpu_index not in self.gpus:
             raise errors.UnknownGpu(f"no GPU {gpu_index}")
         adopt = self._find_orphan(name, proc)
+        taken = [self.by_wid(wid) for wid in sharing if adopt is None or wid != adopt.wid]
+        if owners := sorted(w.name for w in taken if w is not None):
+            raise errors.InUse(
+                f"pid {proc.pid} (or a process of its tree) already belongs to workload {owners[0]}"
+            )
         if adopt is None and len(self.registered) + len(self.orphans) >= self.limits.max_workloads:
             raise errors.LimitReached(f"at most {self.limits.max_workloads} workloads")
         fx: list[Effect] = []
         if adopt is not None and adopt.gpu == gpu_index:
             w = self.orphans.pop(adopt.wid)
             w.registrant, w.tree, w.park, w.parked_max = conn, tree, park, parked_max
-            w.owner_uid = proc.uid
+            w.owner_uid, w.fallback, w.ask = proc.uid, fallback, ask
             event = "adopted"
         else:
             w = Workload(
@@ -181,6 +221,8 @@ class SlicerState:
                 parked_max=parked_max,
                 owner_uid=proc.uid,
                 registrant=conn,
+                fallback=fallback,
+                ask=ask,
             )
             if resident_bytes > parked_max:
                 w.to(WState.IDLE)
@@ -269,31 +311,55 @@ class SlicerState:
                 return gpu, op
         return None
 
+    def park_started(self, op_id: int, procs: tuple[Ident, ...], nbytes: int) -> list[Effect]:
+        """The server is about to run cuda-checkpoint on `procs` (holding `nbytes`) for
+        park `op_id`: journal them first, so that a restart knows whom to ask."""
+        gpu = self.gpus.get(self._op_gpu(op_id, OpKind.PARK), None)
+        if gpu is None or gpu.op is None:
+            return []
+        w = gpu.op.workload
+        w.op_procs, w.op_bytes = procs, nbytes
+        return [Persist()]
+
+    def _op_gpu(self, op_id: int, kind: OpKind) -> int:
+        for gpu in self.gpus.values():
+            if gpu.op is not None and gpu.op.op_id == op_id and gpu.op.kind is kind:
+                return gpu.index
+        return -1
+
     def park_done(
         self,
         op_id: int,
         ok: bool,
         ms: int,
         moved: int,
-        pids: tuple[int, ...],
+        procs: tuple[Ident, ...],
         reason: str,
         text: str,
         now: float,
     ) -> list[Effect]:
-        """A Park effect finished (verified through the backend when `ok`); `pids` are
+        """A Park effect finished (verified through the backend when `ok`); `procs` are
         the processes checkpointed, which a restore must bring back."""
-        taken = self._take_op(op_id, OpKind.PARK)
-        if taken is None:
+        index = self._op_gpu(op_id, OpKind.PARK)
+        if index < 0:
             return []
-        gpu, op = taken
+        gpu = self.gpus[index]
+        assert gpu.op is not None
+        op = gpu.op
+        if not ok and op.workload.park == "cooperative" and op.stage is not ParkStage.CHECKPOINT:
+            # A cooperative workload nobody parked: ask its registrant, then fall back.
+            return self._cooperative_next(op, reason, text, now)
+        gpu.op = None
         w = op.workload
+        w.op_procs, w.op_bytes = (), 0
         fx: list[Effect] = []
         if ok:
             w.to(WState.PARKED)
             w.parks += 1
             self.totals["parks"] += 1
-            w.last_park_ms, w.parked_bytes, w.parked_pids = ms, moved, pids
-            fx += [self._event("parked", w, now, park_ms=ms, bytes=moved), Persist()]
+            w.last_park_ms, w.parked_bytes, w.parked_procs = ms, moved, procs
+            how = "checkpoint" if procs else "cooperative"
+            fx += [self._event("parked", w, now, park_ms=ms, bytes=moved, how=how), Persist()]
             if op.reply_conn is not None:
                 fx.append(Reply(op.reply_conn, {"parked": "1", "park_ms": str(ms)}))
             if w.detached:
@@ -302,6 +368,119 @@ class SlicerState:
             fx += self._fault(w, reason, text or f"park failed: {reason}", now)
             if op.reply_conn is not None:
                 fx.append(Deny(op.reply_conn, errors.ParkFailed(f"park of {w.name}: {reason}")))
+        return fx + self._reconcile(gpu, now)
+
+    def _cooperative_next(self, op: Op, reason: str, text: str, now: float) -> list[Effect]:
+        # The op stays on the GPU through its stages: nobody is granted meanwhile.
+        w = op.workload
+        if op.stage is ParkStage.VERIFY and (asked := self._ask(op, now, reason)) is not None:
+            return asked
+        if w.fallback == "checkpoint":
+            return self._checkpoint_fallback(op, now, reason)
+        gpu = self.gpus[w.gpu]
+        gpu.op = None
+        fx = self._fault(w, reason, text or f"park failed: {reason}", now)
+        if op.reply_conn is not None:
+            fx.append(Deny(op.reply_conn, errors.ParkFailed(f"park of {w.name}: {reason}")))
+        return fx + self._reconcile(gpu, now)
+
+    def _ask(self, op: Op, now: float, reason: str) -> list[Effect] | None:
+        w = op.workload
+        asker = w.registrant if w.ask and w.registrant in self.conns else None
+        if asker is None:
+            return None
+        op.stage = ParkStage.ASK
+        timeout = self.limits.registrant_park_timeout
+        return [
+            self._event("park-asked", w, now, reason=reason, timeout_s=timeout),
+            AskPark(op.op_id, asker, w.name, w.last_turn, timeout),
+        ]
+
+    def _checkpoint_fallback(self, op: Op, now: float, reason: str) -> list[Effect]:
+        w = op.workload
+        op.stage = ParkStage.CHECKPOINT
+        return [
+            self._event("park-fallback", w, now, reason=reason),
+            Park(op.op_id, w.wid, w.name, w.gpu, "checkpoint", w.parked_max),
+        ]
+
+    def _after_ask(self, op: Op, answered: bool, now: float) -> list[Effect]:
+        # A confirmed park is verified through the backend. Without a confirmation the
+        # workload may be mid-transition (a wake its dead holder left in flight): where
+        # allowed, cuda-checkpoint it, since a locked process runs no CUDA work whatever
+        # it was doing; else the backend alone decides.
+        w = op.workload
+        if not answered and w.fallback == "checkpoint":
+            return self._checkpoint_fallback(op, now, "not-parked-by-registrant")
+        op.stage = ParkStage.REVERIFY
+        return [Park(op.op_id, w.wid, w.name, w.gpu, "cooperative", w.parked_max)]
+
+    def parked_answer(
+        self, conn: ConnId, name: str, turn: int, ok: bool, now: float
+    ) -> list[Effect]:
+        """PARKED from the registrant: it parked its workload (or, `ok` False, could not)
+        after a PARK; the backend verifies it either way."""
+        w = self.registered.get(name)
+        if w is None:
+            raise errors.UnknownWorkload(f"no workload {name}")
+        if w.registrant != conn:
+            raise errors.NotRegistrant(f"only the registrant of {name} answers its PARK")
+        op = self.gpus[w.gpu].op
+        if (
+            op is None
+            or op.kind is not OpKind.PARK
+            or op.workload is not w
+            or op.stage is not ParkStage.ASK
+            or turn != w.last_turn
+        ):
+            raise errors.NotAsked(f"no PARK of {name} turn={turn} is pending")
+        fx: list[Effect] = [Reply(conn), self._event("park-answered", w, now, ok=ok)]
+        return fx + self._after_ask(op, ok, now)
+
+    def ask_expired(self, op_id: int, now: float) -> list[Effect]:
+        """The registrant did not answer the PARK of op `op_id` in time."""
+        index = self._op_gpu(op_id, OpKind.PARK)
+        op = self.gpus[index].op if index >= 0 else None
+        if op is None or op.stage is not ParkStage.ASK:
+            return []
+        return [self._event("park-ask-expired", op.workload, now), *self._after_ask(op, False, now)]
+
+    def recover_done(
+        self,
+        op_id: int,
+        result: str,
+        procs: tuple[Ident, ...],
+        reason: str,
+        text: str,
+        now: float,
+    ) -> list[Effect]:
+        """A Recover effect finished: `result` is "parked" (`procs` are checkpointed),
+        "resident" (the processes run, memory on the device), "gone" (no process of it
+        lives) or "fault" (the driver reports a failure, or a tool never ended)."""
+        taken = self._take_op(op_id, OpKind.RECOVER)
+        if taken is None:
+            return []
+        gpu, op = taken
+        w = op.workload
+        intent, w.recover = w.recover, None
+        nbytes = w.op_bytes if intent == "park" and w.op_bytes else w.parked_bytes
+        w.op_procs, w.op_bytes = (), 0
+        fx: list[Effect] = []
+        if result in ("parked", "gone"):
+            if w.state is not WState.PARKED:
+                w.to(WState.PARKED)
+            w.parked_procs, w.parked_bytes = procs, nbytes if procs else 0
+        elif result == "resident":
+            w.to(WState.IDLE)
+            w.parked_procs, w.parked_bytes = (), 0
+            if w.detached and w.park == "cooperative":
+                w.hold_until = now + self.limits.adopt_grace
+                fx.append(Recheck(w.gpu, self.limits.adopt_grace))
+        else:
+            fx += self._fault(w, reason, text or f"recovery failed: {reason}", now)
+        fx += [self._event("recovered", w, now, intent=intent, result=result), Persist()]
+        if w.detached and w.state is WState.PARKED:
+            fx.append(self._reap(w, kill_after=None))
         return fx + self._reconcile(gpu, now)
 
     def restore_done(
@@ -324,7 +503,7 @@ class SlicerState:
             return fx + self._reconcile(gpu, now)
         w.restores += 1
         self.totals["restores"] += 1
-        w.last_restore_ms, w.parked_bytes, w.parked_pids = ms, 0, ()
+        w.last_restore_ms, w.parked_bytes, w.parked_procs = ms, 0, ()
         fx.append(Persist())
         head = gpu.head()
         if head is not None and head.workload is w and gpu.holder is None:
@@ -396,11 +575,22 @@ class SlicerState:
                 restores=int(e.get("restores", 0)),
                 faults=int(e.get("faults", 0)),
                 parked_bytes=int(e.get("parked_bytes", 0)),
-                parked_pids=tuple(int(p) for p in e.get("parked_pids", [])),
+                parked_procs=_idents(e.get("parked_procs")),
+                fallback=str(e.get("fallback", "none")),
+                ask=bool(e.get("ask", False)),
             )
-            if e.get("state") == WState.FAULTED:
+            state, op_procs = e.get("state"), _idents(e.get("op_procs"))
+            if state == WState.FAULTED:
                 w.state, w.fault_reason = WState.FAULTED, str(e.get("fault_reason"))
                 fx.append(self._reap(w, kill_after=self.limits.fault_kill_after))
+            elif state == WState.PARKING and op_procs:
+                # The tool may have run (or still run) on these: ask the driver.
+                w.state, w.recover = WState.PARKING, "park"
+                w.op_procs, w.op_bytes = op_procs, int(e.get("op_bytes", 0))
+            elif state in (WState.PARKED, WState.RESTORING) and w.parked_procs:
+                w.state = WState(str(state))
+                w.recover = "restore" if state == WState.RESTORING else "park"
+                w.op_procs = w.parked_procs
             elif int(e["resident_bytes"]) > w.parked_max:
                 w.state = WState.IDLE
                 if w.park == "cooperative":
@@ -434,7 +624,11 @@ class SlicerState:
                 "owner_uid": w.owner_uid,
                 "state": str(w.state),
                 "parked_bytes": w.parked_bytes,
-                "parked_pids": list(w.parked_pids),
+                "parked_procs": [list(p) for p in w.parked_procs],
+                "op_procs": [list(p) for p in w.op_procs],
+                "op_bytes": w.op_bytes,
+                "fallback": w.fallback,
+                "ask": w.ask,
                 "parks": w.parks,
                 "restores": w.restores,
                 "faults": w.faults,
@@ -463,6 +657,11 @@ class SlicerState:
                     "queue": [x.workload.name for x in gpu.queue.values()],
                     "grants": gpu.grants,
                     "busy": str(gpu.op.kind) if gpu.op is not None else None,
+                    "stage": (
+                        str(gpu.op.stage)
+                        if gpu.op is not None and gpu.op.kind is OpKind.PARK
+                        else None
+                    ),
                     "dirty": gpu.dirty,
                     "foreign": list(gpu.foreign),
                 }
@@ -487,6 +686,10 @@ class SlicerState:
                     "last_park_ms": w.last_park_ms,
                     "last_restore_ms": w.last_restore_ms,
                     "parked_bytes": w.parked_bytes,
+                    "parked_pids": [p for p, _ in w.parked_procs],
+                    "fallback": w.fallback,
+                    "ask": w.ask,
+                    "recovering": w.recover,
                     "fault_reason": w.fault_reason,
                 }
             )
@@ -599,11 +802,23 @@ class SlicerState:
     def _start_park(self, gpu: Gpu, w: Workload, now: float) -> list[Effect]:
         w.to(WState.PARKING)
         op = Op(OpKind.PARK, next(self._ops), w, reply_conn=w.park_reply)
-        w.must_park, w.park_reply = False, None
+        unattended = w.holder_died and w.park == "cooperative"
+        w.must_park, w.park_reply, w.holder_died = False, None, False
         gpu.op = op
-        return [
+        fx: list[Effect] = [
             Persist(),  # a restart mid-park must know the processes may be checkpointed
             self._event("parking", w, now),
+        ]
+        if unattended:
+            # Its holder died mid-turn: what the backend sees now may be half a wake.
+            # The registrant parks it (vLLM serialises a sleep after a wake in flight),
+            # else cuda-checkpoint, else the backend's word is all there is.
+            if (asked := self._ask(op, now, "holder-closed")) is not None:
+                return fx + asked
+            if w.fallback == "checkpoint":
+                return fx + self._checkpoint_fallback(op, now, "holder-closed")
+        return [
+            *fx,
             Park(
                 op=op.op_id,
                 wid=w.wid,
@@ -637,6 +852,17 @@ class SlicerState:
         if gpu.op is not None or gpu.dirty:
             return []
         on_gpu = self._on_gpu(gpu)
+        for w in on_gpu:
+            if w.recover is not None:
+                # A restart interrupted this one's park or restore: settle it first.
+                op = Op(OpKind.RECOVER, next(self._ops), w)
+                gpu.op = op
+                return [
+                    self._event("recovering", w, now, intent=w.recover),
+                    Recover(
+                        op.op_id, w.wid, w.name, gpu.index, w.recover, w.op_procs, w.parked_max
+                    ),
+                ]
         residents = [w for w in on_gpu if w.state in RESIDENT]
         holder_w = gpu.holder.workload if gpu.holder is not None else None
         head = gpu.head()
@@ -658,7 +884,7 @@ class SlicerState:
             return []
         if gpu.holder is not None or head is None or head_w is None:
             return []
-        checkpointed = head_w.state is WState.PARKED and head_w.park == "checkpoint"
+        checkpointed = head_w.state is WState.PARKED and bool(head_w.parked_procs)
         if verified is not head_w:
             op = Op(OpKind.VERIFY, next(self._ops), head_w)
             gpu.op = op
@@ -676,7 +902,7 @@ class SlicerState:
                     wid=head_w.wid,
                     workload=head_w.name,
                     gpu=gpu.index,
-                    pids=head_w.parked_pids,
+                    procs=head_w.parked_procs,
                     nbytes=head_w.parked_bytes,
                 ),
             ]

@@ -103,10 +103,19 @@ async def test_bound_socket_is_removed_on_sigterm_and_refused_while_live(tmp_pat
         try:
             await _expect(notify, b"READY=1")
             assert await _ping(sock) == b"OK\n"
-            # a second daemon on the same path refuses to steal it
-            second = await trio.run_process(cmd, env=env, check=False, capture_stderr=True)
+            # a second daemon on the same path (its own state dir) refuses to steal it
+            other_state = [*cmd[:-1], str(tmp_path / "state2")]
+            second = await trio.run_process(other_state, env=env, check=False, capture_stderr=True)
             assert second.returncode != 0
             assert b"another daemon is listening" in second.stderr
+            # one on the same state dir (another socket) is refused before it reads the
+            # journal, with the owner's pid, and exits 78 (systemd does not restart it)
+            cmd3 = [*cmd[:3], *_args(tmp_path, str(tmp_path / "run" / "other.sock"))]
+            third = await trio.run_process(cmd3, env=env, check=False, capture_stderr=True)
+            assert third.returncode == 78
+            assert f"another slicerd (pid {proc.pid}) owns state dir".encode() in third.stderr
+            assert b"Traceback" not in third.stderr
+            assert not os.path.exists(tmp_path / "run" / "other.sock")
             assert await _ping(sock) == b"OK\n"
             proc.send_signal(signal.SIGINT)
             await _expect(notify, b"STOPPING=1")

@@ -28,7 +28,9 @@ Invariants checked (the numbers of the brief):
    a grant goes only to the first still-waiting connection of that GPU's queue;
 6. a workload seen faulted (STATUS, FAULT, park-failed, restore-failed, ERR faulted)
    never gets a grant afterwards, and stays faulted while registered;
-7. STATUS answers within `STATUS_BOUND` seconds.
+7. STATUS answers within `STATUS_BOUND` seconds;
+8. every GPU operation in flight has an owner (`op_owner`: the task or inline step that
+   will report its result), so no GPU can stay busy with nobody working on it.
 Between examples every connection closes and every sleeper dies; the daemon must then
 forget every workload, empty every queue and hold no turn within `RESET_BOUND` seconds.
 
@@ -1017,6 +1019,8 @@ class World:
             resident = [w["name"] for w in on if w["state"] in ("active", "idle", "faulted")]
             if len(resident) > 1:  # the core invariant, in the daemon's own view
                 self.fail(f"GPU {i}: {resident} resident at once: {g}")
+            if g["busy"] is not None and g["op_owner"] is None:  # invariant 8
+                self.fail(f"GPU {i}: operation {g['busy']} in flight with no owner: {g}")
             active = [(w["name"], w["turn"]) for w in on if w["state"] == "active"]
             if (h is None and active) or (h is not None and active != [(h["workload"], h["turn"])]):
                 self.fail(f"GPU {i}: holder {h} but active workloads {active}")

@@ -18,6 +18,7 @@ import pytest
 
 from slicer import errors
 from slicer.effects import (
+    AskPark,
     Deny,
     Effect,
     Emit,
@@ -26,6 +27,7 @@ from slicer.effects import (
     Persist,
     Reap,
     Recheck,
+    Recover,
     Reply,
     Restore,
     SendFault,
@@ -66,6 +68,10 @@ def summary(e: Effect) -> tuple[Any, ...] | None:
             return ("park", e.workload, e.mode)
         case Restore():
             return ("restore", e.workload)
+        case Recover():
+            return ("recover", e.workload, e.intent)
+        case AskPark():
+            return ("PARK", e.conn, e.workload, e.turn)
         case Recheck():
             return ("recheck", e.gpu)
         case SendFault():
@@ -89,6 +95,8 @@ class Driver:
     blockers: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     parks: deque[Park] = field(default_factory=deque)
     restores: deque[Restore] = field(default_factory=deque)
+    recovers: deque[Recover] = field(default_factory=deque)
+    asks: deque[AskPark] = field(default_factory=deque)
     effects: list[Effect] = field(default_factory=list)
     turns: dict[int, int] = field(default_factory=dict)
     all_turns: list[int] = field(default_factory=list)
@@ -120,6 +128,10 @@ class Driver:
                     self.parks.append(e)
                 case Restore():
                     self.restores.append(e)
+                case Recover():
+                    self.recovers.append(e)
+                case AskPark():
+                    self.asks.append(e)
                 case Grant():
                     self.turns[e.conn] = e.turn
                     self.all_turns.append(e.turn)
@@ -132,9 +144,11 @@ class Driver:
         return [s for s in map(summary, self.apply(call(self.now))) if s is not None]
 
     def _park_done(self, e: Park, ok: bool, reason: str, text: str) -> list[Effect]:
-        pids = (self.sm.by_wid(e.wid).pid,) if self.sm.by_wid(e.wid) else ()
+        w = self.sm.by_wid(e.wid)
+        # A checkpoint park moves the processes; a cooperative one moves nothing itself.
+        procs = ((w.pid, int(w.start_time)),) if w is not None and e.mode == "checkpoint" else ()
         moved = MOVED if ok else 0
-        return self.sm.park_done(e.op, ok, PARK_MS, moved, pids, reason, text, self.now)
+        return self.sm.park_done(e.op, ok, PARK_MS, moved, procs, reason, text, self.now)
 
     def _restore_done(self, e: Restore, ok: bool, reason: str, text: str) -> list[Effect]:
         return self.sm.restore_done(e.op, ok, RESTORE_MS, reason, text, self.now)
@@ -156,12 +170,26 @@ class Driver:
         park: str = "checkpoint",
         parked_max: int = 0,
         resident: int = 0,
+        fallback: str = "none",
+        ask: bool = False,
+        sharing: tuple[int, ...] = (),
     ) -> list[tuple[Any, ...]]:
         uid = proc_uid if proc_uid is not None else self.sm.conns[conn].uid
         proc = ProcessInfo(pid if pid is not None else PIDS[name], start_time, uid)
         return self.run(
             lambda now: self.sm.register(
-                conn, name, gpu, proc, True, park, parked_max, resident, now
+                conn,
+                name,
+                gpu,
+                proc,
+                True,
+                park,
+                parked_max,
+                resident,
+                now,
+                fallback=fallback,
+                sharing=sharing,
+                ask=ask,
             )
         )
 
@@ -195,6 +223,11 @@ class Driver:
     ) -> list[tuple[Any, ...]]:
         e = self.restores.popleft()
         return self.run(lambda now: self._restore_done(e, ok, reason, text))
+
+    def recover_done(self, result: str = "parked", reason: str = "") -> list[tuple[Any, ...]]:
+        e = self.recovers.popleft()
+        procs = e.procs if result == "parked" else ()
+        return self.run(lambda now: self.sm.recover_done(e.op, result, procs, reason, "", now))
 
     def memory_report(self, name: str, alive: bool, nbytes: int) -> list[tuple[Any, ...]]:
         wid = self.wid(name)
@@ -853,7 +886,7 @@ def test_switch_records_counters_and_timings(auto: Driver) -> None:
     )
     assert a["parked_bytes"] == 0
     (restore,) = [e for e in d.effects if isinstance(e, Restore)]
-    assert restore.pids == (PIDS["a"],)
+    assert restore.procs == ((PIDS["a"], 1),)
     assert restore.nbytes == MOVED
 
 
@@ -1015,8 +1048,11 @@ def test_journal_round_trip_adopts_parked(d: Driver) -> None:
         "c": "registered",
     }
     d2, out = _restart(entries)
-    # b still holds memory: parked at once; a waits as a parked orphan; c is forgotten.
-    assert out == [("reap", "a", None), ("park", "b", "checkpoint")]
+    # a's checkpointed processes are asked for their real state first (nothing else
+    # happens on GPU 0 meanwhile); then b, which still holds memory, is parked; a waits
+    # as a parked orphan; c is forgotten.
+    assert out == [("recover", "a", "park")]
+    assert d2.recover_done() == [("reap", "a", None), ("park", "b", "checkpoint")]
     assert [w.name for w in d2.sm.workloads()] == ["a", "b"]
     assert all(w.detached for w in d2.sm.workloads())
     d2.park_done()
@@ -1028,13 +1064,14 @@ def test_journal_round_trip_adopts_parked(d: Driver) -> None:
     # And its checkpoint is restored on the next grant.
     assert d2.acquire(D1, "a") == [("restore", "a")]
     (restore,) = d2.restores
-    assert (restore.pids, restore.nbytes) == ((PIDS["a"],), MOVED)
+    assert (restore.procs, restore.nbytes) == (((PIDS["a"], 1),), MOVED)
     assert d2.restore_done() == [("grant", D1, "a", 1, True)]
 
 
 def test_journal_reregister_other_process_is_new(d: Driver) -> None:
     _parked_a_b_idle(d)
     d2, _ = _restart(_entries(d.sm))
+    d2.recover_done()
     assert d2.register(RA, "a", start_time=2.0) == [("registered", RA, "a", "registered")]
     names = sorted((w.name, w.detached) for w in d2.sm.workloads())
     assert names == [("a", False), ("a", True)]
@@ -1051,7 +1088,8 @@ def test_journal_dead_workload_dropped(d: Driver) -> None:
 def test_journal_idle_without_memory_dropped(d: Driver) -> None:
     _parked_a_b_idle(d)
     d2, out = _restart(_entries(d.sm, b=(True, 0)))
-    assert out == [("reap", "a", None)]
+    assert out == [("recover", "a", "park")]
+    assert d2.recover_done() == [("reap", "a", None)]
     assert [w.name for w in d2.sm.workloads()] == ["a"]
 
 
@@ -1070,6 +1108,7 @@ def test_journal_faulted_is_reaped_and_blocks_gpu(d: Driver) -> None:
 def test_journal_orphan_parked_dropped_when_dead(d: Driver) -> None:
     _parked_a_b_idle(d)
     d2, _ = _restart(_entries(d.sm, b=(False, 0)))
+    d2.recover_done()
     d2.register(RB, "b")
     assert d2.acquire(D1, "b") == [("grant", D1, "b", 1, False)]
     wid = d2.wid("a")

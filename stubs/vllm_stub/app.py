@@ -329,11 +329,20 @@ def build_app(engine: Engine, cfg: AppConfig) -> Starlette:
             engine._notify()
         if "fail_reload" in body:
             engine.fail_reload = bool(body["fail_reload"])
+        for key in ("hang_sleep", "hang_wake"):
+            if key in body:
+                setattr(engine, key, bool(body[key]))
+                engine._notify()
         log(f"fault {json.dumps(body, sort_keys=True)}")
         if body.get("crash"):
             engine.core.kill()
         return JSONResponse(
-            {"hang_requests": engine.hang_requests, "fail_reload": engine.fail_reload}
+            {
+                "hang_requests": engine.hang_requests,
+                "fail_reload": engine.fail_reload,
+                "hang_sleep": engine.hang_sleep,
+                "hang_wake": engine.hang_wake,
+            }
         )
 
     routes = [

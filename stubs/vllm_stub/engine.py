@@ -127,6 +127,10 @@ class Engine:
         self.sleep_mode = sleep_mode
         self.hang_requests = hang_requests
         self.fail_reload = fail_reload
+        # Stub faults: hold /sleep and /wake_up before they act (a call in flight that a
+        # dying caller leaves behind), until cleared.
+        self.hang_sleep = False
+        self.hang_wake = False
         self.weight_version = "default"
         self.update_open = False
         self.sleep_level: int | None = None  # None: awake
@@ -231,6 +235,9 @@ class Engine:
                 "Sleep mode is not enabled. Start the server with --enable-sleep-mode.", 400
             )
         async with self._lock:
+            if self.hang_sleep:
+                log("sleep held (hang_sleep fault)")
+            await self._until(lambda: not self.hang_sleep)
             if self.sleeping:
                 log(f"already sleeping (level={self.sleep_level}): no-op")
                 return
@@ -266,6 +273,9 @@ class Engine:
                 "Sleep mode is not enabled. Start the server with --enable-sleep-mode.", 400
             )
         async with self._lock:
+            if self.hang_wake:
+                log("wake_up held (hang_wake fault)")
+            await self._until(lambda: not self.hang_wake)
             t0 = time.monotonic()
             if tags is not None:
                 tags = [t for t in dict.fromkeys(tags) if t != "scheduling"]

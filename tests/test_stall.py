@@ -1,0 +1,184 @@
+"""No client can stall or wedge the daemon: long chains of pipelined requests across
+connections, a connection flooding STATUS, and one user holding every connection it can.
+Against the real daemon over its real socket (the timing is bench/flood.py's, not here)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import trio
+
+import proto
+from tests.harness import Stack, running_stack
+
+pytestmark = pytest.mark.integration
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # reachable for uid nobody, unlike the venv's
+
+
+async def raw(stack: Stack) -> trio.SocketStream:
+    return await trio.open_unix_socket(stack.socket)
+
+
+async def read_lines(stream: trio.SocketStream, n: int) -> list[bytes]:
+    buf, lines = proto.LineBuffer(proto.MAX_SERVER_LINE), []
+    while len(lines) < n:
+        data = await stream.receive_some(65536)
+        assert data, f"closed after {len(lines)} of {n} lines: {lines[-3:]}"
+        lines += buf.feed(data)
+    return lines
+
+
+async def test_a_long_chain_of_pipelined_turns_across_connections_completes() -> None:
+    """600 ACQUIRE/RELEASE pairs pipelined by 20 connections, each release granting the
+    next connection's turn: one long chain of resumed requests. Every reply arrives and
+    the GPU is left idle with no operation in flight."""
+    conns, pairs = 20, 30
+    with trio.fail_after(90):
+        async with running_stack(gpus=1) as stack:
+            async with await stack.client() as reg_w, await stack.client() as reg_b:
+                await reg_w.register("w", pid=stack.sleeper())
+                await reg_b.register("b", pid=stack.sleeper())
+                async with await stack.client() as blocker:
+                    t = await blocker.acquire("b")  # turn 1: everyone queues behind it
+                    streams = [await raw(stack) for _ in range(conns)]
+                    for i, s in enumerate(streams):
+                        await s.send_all(b"ACQUIRE w\n")
+                        await stack.until(lambda st, n=i + 1: len(st["gpus"][0]["queue"]) == n)
+                    # Round robin from turn 2: connection i's k-th turn is 2 + k*conns + i.
+                    for i, s in enumerate(streams):
+                        lines = []
+                        for k in range(pairs):
+                            lines.append(f"RELEASE w turn={2 + k * conns + i}\n")
+                            if k < pairs - 1:
+                                lines.append("ACQUIRE w\n")
+                        await s.send_all("".join(lines).encode())
+                    await blocker.release("b", t.turn)
+                    for i, s in enumerate(streams):
+                        got = await read_lines(s, 2 * pairs)
+                        turns = [proto.parse_server_line(x) for x in got[0::2]]
+                        assert [m.fields["turn"] for m in turns] == [  # type: ignore[union-attr]
+                            str(2 + k * conns + i) for k in range(pairs)
+                        ]
+                        assert all(x.startswith(b"OK parked=0") for x in got[1::2]), got[:4]
+                        await s.aclose()
+                st = await stack.status()
+                assert st["totals"]["grants"] == 1 + conns * pairs
+                gpu = st["gpus"][0]
+                assert gpu["busy"] is None and gpu["op_owner"] is None and gpu["holder"] is None
+                assert (await stack.status())["uptime_s"] > 0  # still serving
+            assert stack.overlaps() == 0
+
+
+async def test_a_status_flood_never_starves_another_connection() -> None:
+    with trio.fail_after(60):
+        async with running_stack(gpus=1) as stack:
+            async with await stack.client() as reg:
+                await reg.register("w", pid=stack.sleeper())
+                flood = await raw(stack)
+                await flood.send_all(b"STATUS\n" * 5000)  # and never read a reply
+                async with await stack.client() as other:
+                    for _ in range(20):
+                        await other.ping()  # answered between the flood's lines
+                    t = await other.acquire("w")
+                    await other.release("w", t.turn)
+                await flood.aclose()
+                st = await stack.status()
+                assert st["totals"]["grants"] == 1
+            assert stack.overlaps() == 0
+
+
+HOLDER = r"""
+import socket, sys
+path, n = sys.argv[1], int(sys.argv[2])
+socks, out = [], []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(20)
+    s.connect(path)
+    s.sendall(b"PING\n")
+    out.append(s.recv(4096).decode().strip() or "EOF")
+    socks.append(s)
+print("\n".join(out), flush=True)
+sys.stdin.readline()  # hold every connection until told
+"""
+
+
+def hold_as(uid: int, sock: str, n: int) -> tuple[subprocess.Popen[str], list[str]]:
+    """Open `n` connections as `uid`, each PINGed; they stay open until stdin closes."""
+    p = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", HOLDER, sock, str(n)],
+        user=uid,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None
+    return p, [p.stdout.readline().strip() for _ in range(n)]
+
+
+def release(p: subprocess.Popen[str]) -> None:
+    assert p.stdin is not None
+    p.stdin.close()
+    p.wait(timeout=20)
+    assert p.stdout is not None
+    p.stdout.close()
+
+
+def root_pings(sock: str, n: int) -> list[bytes]:
+    socks, out = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(20)
+            s.connect(sock)
+            s.sendall(b"PING\n")
+            out.append(s.recv(4096))
+            socks.append(s)
+    finally:
+        for s in socks:
+            s.close()
+    return out
+
+
+@pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason="needs /usr/bin/python3")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as nobody")
+async def test_one_user_cannot_take_every_connection() -> None:
+    with trio.fail_after(90):
+        conf = Path(tempfile.mkdtemp()) / "slicer.toml"
+        conf.write_text(
+            "max_connections = 40\nreserved_connections = 10\nmax_connections_per_uid = 25\n"
+        )
+        async with running_stack("--config", str(conf), "--socket-mode", "666") as stack:
+            # One uid: at most 25 connections, then a precise refusal.
+            p, replies = await trio.to_thread.run_sync(hold_as, 65534, stack.socket, 27)
+            try:
+                assert replies[:25] == ["OK"] * 25
+                assert all(r.startswith("ERR limit") and "per uid" in r for r in replies[25:])
+                # Root (an operator's slicerctl, a root launcher) still gets in, up to the
+                # whole table, past the room unprivileged users may fill.
+                got = await trio.to_thread.run_sync(root_pings, stack.socket, 15)
+                assert got == [b"OK\n"] * 15
+                # A second user stops where the room kept for root begins (40 - 10).
+                p2, r2 = await trio.to_thread.run_sync(hold_as, 65533, stack.socket, 6)
+                try:
+                    assert r2[:5] == ["OK"] * 5
+                    assert r2[5].startswith("ERR limit") and "unprivileged" in r2[5]
+                    assert (
+                        await trio.to_thread.run_sync(root_pings, stack.socket, 10)
+                        == [b"OK\n"] * 10
+                    )
+                finally:
+                    release(p2)
+            finally:
+                release(p)
+            # Every refused or closed connection is forgotten (the closes are noticed a
+            # moment later: poll, bounded by fail_after).
+            while (await stack.status())["connections"] != 1:
+                await trio.sleep(0.05)
+            assert stack.overlaps() == 0
