@@ -25,8 +25,15 @@ import trio
 KILL_WAIT_S = 5.0
 
 
+def _of_type(cls: type) -> list[object]:
+    # type(), not isinstance(): isinstance reads `__class__`, which some foreign objects
+    # (torch's deprecated `reduce_op`, imported by other tests) answer with a warning.
+    return [o for o in gc.get_objects() if issubclass(type(o), cls)]
+
+
 def _unreaped() -> list[subprocess.Popen[bytes]]:
-    return [o for o in gc.get_objects() if isinstance(o, subprocess.Popen) and o.returncode is None]
+    popens = _of_type(subprocess.Popen)
+    return [o for o in popens if isinstance(o, subprocess.Popen) and o.returncode is None]
 
 
 def _children() -> set[int]:
@@ -51,7 +58,7 @@ def reap_leftovers(
                     p.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(timeout=KILL_WAIT_S)
-        for o in gc.get_objects():
+        for o in _of_type(trio.Process):
             if isinstance(o, trio.Process):
                 o.poll()  # its Popen is reaped now: this closes its pidfd
         gc.collect()
