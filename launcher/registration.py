@@ -8,8 +8,9 @@ while the child runs and closes it when the child is gone. It is registered with
 launcher's own pid and `tree=1`: every process the child spawns, at any depth, counts.
 
 One task (`serve`) owns reading the connection: a FAULT may arrive at any moment and
-must reach the supervisor at once. Nothing else sends on it after REGISTER (a boot turn
-uses a connection of its own), so replies and events never interleave.
+must reach the supervisor at once. After REGISTER the only request sent on it is the
+`PARKED` answer to a `PARK` (a boot turn uses a connection of its own): a task of its own
+parks the workload and sends the answer, and `serve` reads the reply like any line.
 
 When the connection drops (slicerd restarted, crashed, or closed us), `serve` reconnects
 with exponential backoff (`backoff_min` .. `backoff_max`, each attempt bounded by
@@ -51,7 +52,7 @@ class Registration:
         self,
         cfg: LaunchConfig,
         on_fault: Callable[[proto.Fault], None],
-        on_park: Callable[[], Awaitable[bool]] | None = None,
+        on_park: Callable[[float], Awaitable[bool]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.socket = os.path.abspath(socket_path(cfg.socket))
@@ -128,43 +129,50 @@ class Registration:
             delay = min(delay * 2, self.cfg.backoff_max)
 
     async def serve(self) -> None:
-        """Read the registrant connection forever; FAULTs go to `on_fault`; reconnect
+        """Read the registrant connection forever; FAULTs go to `on_fault`, PARKs to a
+        task of their own (a FAULT is never read late behind a slow park); reconnect
         after a drop. Cancel it to stop (then `aclose`)."""
-        while True:
-            if self.conn is None:
-                self.conn = await self._reconnect()
-            try:
-                while True:
-                    msg = await self.conn.next_message()
-                    if isinstance(msg, proto.Fault):
-                        log.error("FAULT turn=%d reason=%s %s", msg.turn, msg.reason, msg.text)
-                        self.on_fault(msg)
-                    elif isinstance(msg, proto.Waiting):
-                        log.debug("WAITING turn=%d waiters=%d", msg.turn, msg.waiters)
-                    elif isinstance(msg, proto.ParkAsk):
-                        await self._park(self.conn, msg)
-            except (Unreachable, proto.ProtocolError) as e:
-                log.warning("lost slicerd (%s): reconnecting", e)
-            conn, self.conn = self.conn, None
-            await conn.aclose()
+        async with trio.open_nursery() as parks:
+            while True:
+                if self.conn is None:
+                    self.conn = await self._reconnect()
+                try:
+                    while True:
+                        msg = await self.conn.next_message()
+                        if isinstance(msg, proto.Fault):
+                            log.error("FAULT turn=%d reason=%s %s", msg.turn, msg.reason, msg.text)
+                            self.on_fault(msg)
+                        elif isinstance(msg, proto.Waiting):
+                            log.debug("WAITING turn=%d waiters=%d", msg.turn, msg.waiters)
+                        elif isinstance(msg, proto.ParkAsk):
+                            parks.start_soon(self._park, self.conn, msg)
+                        elif isinstance(msg, proto.Err):
+                            # The reply to a PARKED (the only request sent after REGISTER):
+                            # not-asked means slicerd's window passed and it went on.
+                            log.warning("PARKED answer refused: %s %s", msg.code, msg.text)
+                except (Unreachable, proto.ProtocolError) as e:
+                    log.warning("lost slicerd (%s): reconnecting", e)
+                conn, self.conn = self.conn, None
+                await conn.aclose()
 
     async def _park(self, conn: AsyncSlicer, ask: proto.ParkAsk) -> None:
         """slicerd asks us to park the workload (its holder is gone): do it, answer."""
         log.warning("slicerd asks to park %s (turn %d): its holder is gone", ask.workload, ask.turn)
         ok = False
+        # slicerd waits this long for our answer; past it, it goes on without us.
+        window = ask.timeout_ms / 1000 if ask.timeout_ms is not None else 60.0
         if self.on_park is not None:
             try:
-                ok = await self.on_park()
+                with trio.move_on_after(window):
+                    ok = await self.on_park(window)
             except Exception as e:  # whatever broke, slicerd must get an answer
                 log.error("park failed: %s", _why(e))
+        # Sent only: the connection's one reader (`serve`) takes the reply.
         try:
             with trio.fail_after(self.cfg.request_timeout):
-                await conn.parked(ask.workload, ask.turn, ok)
-        except ClientError as e:
-            # not-asked: slicerd stopped waiting (its bound passed) and went on without us.
-            log.warning("PARKED answer refused: %s", e)
-        except trio.TooSlowError:
-            log.warning("PARKED answer not acknowledged in %.0f s", self.cfg.request_timeout)
+                await conn.send(proto.Parked(ask.workload, ask.turn, ok))
+        except (Unreachable, trio.TooSlowError) as e:
+            log.warning("PARKED answer not sent: %s", _why(e))
 
     async def aclose(self) -> None:
         """Close the connection: the daemon ends the registration."""

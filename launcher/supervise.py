@@ -85,8 +85,8 @@ class Profile:
         self.ready = self.ready_seen = True
         sd_notify("READY=1")
 
-    async def park(self) -> bool:
-        """Park the workload now (slicerd sent PARK); True when it did."""
+    async def park(self, timeout: float) -> bool:
+        """Park the workload now, within `timeout` (slicerd sent PARK); True when it did."""
         return False
 
     async def aclose(self) -> None:

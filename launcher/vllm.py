@@ -188,7 +188,7 @@ class VllmProfile(Profile):
             raise BootFailed(Exit.FAILED, f"sleep failed: {e!r}") from e
         log.info("slept (level %d)", level)
 
-    async def park(self) -> bool:
+    async def park(self, timeout: float) -> bool:
         """slicerd asks to park the replica (its dispatcher died mid-turn): sleep it
         (`mode=abort`: whatever the dead dispatcher left running is cut off) and check
         it is asleep. slicerd then verifies, through the GPU backend, on its own."""
@@ -196,7 +196,8 @@ class VllmProfile(Profile):
         try:
             async with httpx.AsyncClient(base_url=self.url, timeout=CALL_TIMEOUT) as http:
                 r = await http.post(
-                    f"/sleep?level={level}&mode=abort", timeout=self.cfg.sleep_timeout
+                    f"/sleep?level={level}&mode=abort",
+                    timeout=min(self.cfg.sleep_timeout, timeout),
                 )
                 if r.status_code != 200:
                     log.error("park: POST /sleep: %d %s", r.status_code, r.text[:300])

@@ -193,11 +193,13 @@ class Waiting:
 
 @dataclass(frozen=True, slots=True)
 class ParkAsk:
-    """``PARK <workload> turn=T``: to the registrant: park your workload yourself now
-    (its holder is gone) and answer ``PARKED``; `turn` is its last turn (0: none)."""
+    """``PARK <workload> turn=T [timeout_ms=N]``: to the registrant: park your workload
+    yourself now (its holder is gone) and answer ``PARKED`` within `timeout_ms`; `turn`
+    is its last turn (0: none)."""
 
     workload: str
     turn: int
+    timeout_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,8 +63,12 @@ def parse_server_line(line: bytes) -> ServerMessage:
         return Fault(workload, turn=turn, reason=reason, text=tail or "")
     workload = _one_name(verb, positionals)
     if verb == "PARK":
-        _known_keys(verb, pairs, ("turn",))
-        return ParkAsk(workload, turn=parse_int(verb, "turn", _required(verb, pairs, "turn"), 0))
+        _known_keys(verb, pairs, ("turn", "timeout_ms"))
+        turn = parse_int(verb, "turn", _required(verb, pairs, "turn"), 0)
+        ms = (
+            parse_int(verb, "timeout_ms", pairs["timeout_ms"], 0) if "timeout_ms" in pairs else None
+        )
+        return ParkAsk(workload, turn=turn, timeout_ms=ms)
     _known_keys(verb, pairs, ("turn", "waiters"))
     turn = parse_int(verb, "turn", _required(verb, pairs, "turn"), 1)
     waiters = parse_int(verb, "waiters", _required(verb, pairs, "waiters"), 0)
@@ -169,12 +173,14 @@ def encode_server_message(msg: ServerMessage) -> bytes:
                 f"waiters={check_int('WAITING', 'waiters', waiters, 0, INT_MAX)}",
             ]
             return _finish("WAITING", words, MAX_LINE)
-        case ParkAsk(workload=workload, turn=turn):
+        case ParkAsk(workload=workload, turn=turn, timeout_ms=ms):
             words = [
                 "PARK",
                 _one_name("PARK", [workload]),
                 f"turn={check_int('PARK', 'turn', turn, 0)}",
             ]
+            if ms is not None:
+                words.append(f"timeout_ms={check_int('PARK', 'timeout_ms', ms, 0, INT_MAX)}")
             return _finish("PARK", words, MAX_LINE)
         case Event(body=body):
             if not isinstance(body, dict):

@@ -174,6 +174,14 @@ class AsyncSlicer:
         """PARKED: answer a PARK event (`ok` False: this registrant could not park it)."""
         await self.request(proto.Parked(name, turn, ok))
 
+    async def send(self, req: proto.Request) -> None:
+        """Send `req` without reading its reply: for a connection whose one reader task
+        (see `next_message`) takes the reply like any other line."""
+        try:
+            await self._stream.send_all(proto.encode(req))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            raise Unreachable(f"connection lost: {e}") from e
+
     async def status(self) -> dict[str, Any]:
         """STATUS as a dict."""
         body = (await self.request(proto.Status())).body

@@ -44,7 +44,7 @@ async def serve(
     try:
         os.makedirs(cfg.state_dir, mode=0o750, exist_ok=True)
     except OSError as e:
-        raise SlicerError(f"cannot create state dir {cfg.state_dir}: {e}") from e
+        raise JournalError(f"cannot create state dir {cfg.state_dir}: {e.strerror or e}") from e
     lock = StateLock(cfg.state_dir)
     lock.acquire()  # before anything reads the journal: one owner per state dir
     journal = Journal(cfg.state_dir, fsync=cfg.journal_fsync)

@@ -90,6 +90,7 @@ class Recover:
     intent: str
     procs: tuple[tuple[int, int], ...]
     parked_max: int
+    root: tuple[int, int] = (0, 0)  # the workload's registered process
 
 
 @dataclass(frozen=True, slots=True)

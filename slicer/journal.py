@@ -62,8 +62,11 @@ class Journal:
         workloads = doc.get("workloads", [])
         if not isinstance(workloads, list):
             raise JournalError(self._unreadable("workloads is not a list"))
+        for i, w in enumerate(workloads):
+            if (why := _bad_entry(w)) is not None:
+                raise JournalError(self._unreadable(f"workload entry {i}: {why}"))
         self._last = raw
-        return [w for w in workloads if isinstance(w, dict)]
+        return list(workloads)
 
     def _unreadable(self, why: str) -> str:
         return (
@@ -116,6 +119,51 @@ class Journal:
         """Nothing stays open between saves; kept for symmetry with `StateLock`."""
 
 
+# What adopt_journal reads from an entry: a wrong type there must be one clear line at
+# start, never a traceback (and a crash loop) in the middle of recovery.
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "name": str,
+    "gpu": int,
+    "pid": int,
+    "start_time": (int, float),
+    "tree": bool,
+    "park": str,
+    "parked_max": int,
+    "owner_uid": int,
+    "state": str,
+}
+_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "parked_bytes": int,
+    "op_bytes": int,
+    "parks": int,
+    "restores": int,
+    "faults": int,
+    "fallback": str,
+    "ask": bool,
+}
+
+
+def _bad_entry(w: Any) -> str | None:
+    if not isinstance(w, dict):
+        return "not an object"
+    for key, kind in _FIELDS.items():
+        if not isinstance(w.get(key), kind) or (kind is int and isinstance(w[key], bool)):
+            return f"{key} is missing or not {getattr(kind, '__name__', 'a number')}"
+    for key, kind in _OPTIONAL.items():
+        if key in w and not isinstance(w[key], kind):
+            return f"{key} is not {getattr(kind, '__name__', kind)}"
+    for key in ("parked_procs", "op_procs"):
+        procs = w.get(key, [])
+        ok = isinstance(procs, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p) for p in procs
+        )
+        if not ok:
+            return f"{key} is not a list of [pid, start time] pairs"
+    if not isinstance(w.get("parked_pids", []), list):
+        return "parked_pids is not a list"
+    return None
+
+
 class StateLock:
     """An exclusive lock on a state dir, naming its owner's pid in the lock file."""
 
@@ -125,8 +173,15 @@ class StateLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Take the lock or raise `StateDirLocked` naming the other owner's pid."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        """Take the lock or raise `StateDirLocked` naming the other owner's pid
+        (`JournalError` when the state dir cannot hold the lock file at all)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        except OSError as e:
+            raise JournalError(
+                f"cannot open {self.path}: {e.strerror or e}; the state dir must be a "
+                "writable directory (systemd: StateDirectory=/ReadWritePaths=)"
+            ) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -7,7 +7,9 @@ cuda-checkpoint, the exact processes (pid and start time) handed to the tool, be
 tool ran. A restarted daemon settles each such workload before anything else happens on
 its GPU:
 
-1. Processes that no longer live are dropped; none left is "gone".
+1. Processes that no longer live are dropped; none left is "gone" when the workload's
+   root died too, and a fault (`restore-no-process`) when it lives on without the
+   checkpointed processes it needs back (a park intent: nothing was moved, "resident").
 2. A cuda-checkpoint that the dead daemon started on one of them may still run: it is
    waited for (bounded), never started again beside it and never killed. One that
    outlives the bound is a fault (the driver's state is unknown while it runs).
@@ -19,8 +21,10 @@ its GPU:
                        otherwise: running -> lock, checkpoint; locked -> checkpoint
                                                        -> "parked"
        restore intent: all checkpointed (or without CUDA) -> "parked" (restore never ran)
-                       otherwise: checkpointed -> restore, unlock; locked -> unlock
-                                                       -> "resident"
+                       some checkpointed: roll back (running -> lock; checkpoint the
+                         rest) -> "parked": the next grant's restore checks free memory
+                         first, which a restore here could not
+                       none checkpointed: locked -> unlock -> "resident"
 
    Any process in `failed`, or any step that fails, is a "fault": the tool itself
    failed, and the GPU stays taken as for any failed park.
@@ -56,13 +60,21 @@ def _fault(reason: str, text: str) -> Recovered:
 
 
 async def recover(
-    parker: CheckpointParker, intent: str, journaled: tuple[Ident, ...], timeout: float
+    parker: CheckpointParker,
+    intent: str,
+    journaled: tuple[Ident, ...],
+    timeout: float,
+    root: Ident = (0, 0),
 ) -> Recovered:
-    """Settle `journaled` (the processes of one workload) for `intent`, within `timeout`
-    of waiting (a leftover tool is waited for up to `timeout` too)."""
+    """Settle `journaled` (the processes of one workload whose registered process is
+    `root`) for `intent`, within `timeout` of waiting (a leftover tool too)."""
     live = [p for p in journaled if procs.alive(p)]
     if not live:
-        return Recovered("gone")
+        if not procs.alive(root):
+            return Recovered("gone")
+        if intent == "park":
+            return Recovered("resident")  # they died before anything was moved
+        return _fault("restore-no-process", "none of its checkpointed processes lives")
     pids = {pid for pid, _ in live}
     with trio.move_on_after(timeout):
         while runs := procs.tool_runs(parker.path, pids):
@@ -102,6 +114,11 @@ async def _finish_restore(
     parker: CheckpointParker, live: list[Ident], cuda: dict[int, str], timeout: float
 ) -> Recovered:
     if cuda and all(st == "checkpointed" for st in cuda.values()):
+        return Recovered("parked", tuple(p for p in live if p[0] in cuda))
+    if any(st == "checkpointed" for st in cuda.values()):
+        out = await _two_steps(parker, cuda, ("running", "lock"), "checkpoint", timeout)
+        if not out.ok:
+            return _fault(out.reason, out.text)
         return Recovered("parked", tuple(p for p in live if p[0] in cuda))
     out = await _two_steps(parker, cuda, ("checkpointed", "restore"), "unlock", timeout)
     if not out.ok:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import grp
 import itertools
 import logging
+import math
 import os
 import socket
 import struct
@@ -57,6 +58,7 @@ log = logging.getLogger("slicer.server")
 
 OUTBOX = 1024  # lines; a watcher further behind than this is dropped
 MAX_BACKLOG = 64  # requests pipelined behind one that waits
+RESUME_BUDGET = 16  # pipelined requests resumed before the loop yields to other tasks
 REAP_EVERY = 0.25
 JOURNAL_RETRY = 1.0  # seconds between attempts to write a journal that failed to write
 CHILDREN_TTL = 0.1  # a whole-/proc children map is shared this long (fallback path only)
@@ -112,6 +114,7 @@ class Connection:
         self.wait_scope: trio.CancelScope | None = None
         self.nursery: trio.Nursery | None = None
         self.dropped = ""
+        self.closing = False  # its reader ended: nothing of its pipeline runs any more
         self.queued = 0  # lines in the outbox or being written by the writer
 
     def send(self, data: bytes) -> None:
@@ -193,13 +196,15 @@ class Server:
         self.watchers: set[Connection] = set()
         self._ids = itertools.count(1)
         self._nursery: trio.Nursery | None = None
-        self._rechecks: set[Recheck] = set()
+        self._recheck_due: dict[int, float] = {}  # gpu -> when its recheck timer fires
         self.started = time.monotonic()
         self._allow_gid = grp.getgrnam(cfg.allow_group).gr_gid if cfg.allow_group else None
         self._entries = entries or []
         self._work: deque[Effect] = deque()
         self._resume: deque[Connection] = deque()
+        self._frames: list[deque[Connection]] = []
         self._applying = False
+        self._continuing = False
         # op id -> (token, what): who performs the GPU operation in flight.
         self._owners: dict[int, tuple[object, str]] = {}
         self._asks: dict[int, trio.CancelScope] = {}
@@ -279,6 +284,8 @@ class Server:
                 conn.nursery = n
                 n.start_soon(conn.writer, self.cfg.write_timeout)
                 flush = await self._reader(conn)
+                conn.closing = True
+                conn.backlog.clear()
                 if flush:
                     conn.outbox.close()  # the writer sends what is queued, then ends
                 else:
@@ -289,6 +296,10 @@ class Server:
             # One connection's trouble must never take the daemon (and every turn) down.
             log.exception("connection %d (pid %d) failed", conn.cid, pid)
         finally:
+            conn.closing = True
+            conn.backlog.clear()
+            if conn.wait_scope is not None:
+                conn.wait_scope.cancel()
             del self.conns[conn.cid]
             if (left := self._per_uid[uid] - 1) > 0:
                 self._per_uid[uid] = left
@@ -308,14 +319,12 @@ class Server:
         total = len(self.conns)
         if total >= cfg.max_connections:
             return f"at most {cfg.max_connections} connections"
-        if exempt:
-            return ""
-        # Room kept for root and allow_group: an operator can always inspect, a root
-        # launcher can always re-register.
+        # Room kept for root alone: an operator can always inspect, a root launcher can
+        # always re-register, whatever any other uid (allow_group members too) holds.
         reserve = min(cfg.reserved_connections, cfg.max_connections // 2)
-        if total >= cfg.max_connections - reserve:
-            return f"at most {cfg.max_connections - reserve} connections for unprivileged users"
-        if self._per_uid.get(uid, 0) >= cfg.max_connections_per_uid:
+        if uid != 0 and total >= cfg.max_connections - reserve:
+            return f"at most {cfg.max_connections - reserve} connections for uids other than root"
+        if not exempt and self._per_uid.get(uid, 0) >= cfg.max_connections_per_uid:
             return f"at most {cfg.max_connections_per_uid} connections per uid (uid {uid})"
         return ""
 
@@ -370,6 +379,7 @@ class Server:
                     await trio.lowlevel.checkpoint()
 
     def _dispatch(self, conn: Connection, line: bytes) -> None:
+        scope: trio.CancelScope | None = None
         try:
             req = proto.parse_request(line)
         except proto.ProtocolError as e:
@@ -389,12 +399,12 @@ class Server:
                 case proto.Acquire():
                     conn.pending = True
                     fx = self.sm.acquire(conn.cid, req.workload, now)
-                    if req.wait is not None and conn.pending and conn.nursery is not None:
-                        # The scope exists before the task runs, so a grant that comes
-                        # first always cancels it (a stale timer must never expire a
-                        # later ACQUIRE of the same connection).
-                        conn.wait_scope = trio.CancelScope(deadline=trio.current_time() + req.wait)
-                        conn.nursery.start_soon(self._wait_timer, conn, conn.wait_scope)
+                    if req.wait is not None:
+                        # The scope exists before the effects run, so a grant among them
+                        # cancels it (a stale timer must never expire a later ACQUIRE of
+                        # the same connection); its task starts once they ran.
+                        scope = trio.CancelScope(deadline=trio.current_time() + req.wait)
+                        conn.wait_scope = scope
                 case proto.Release():
                     conn.pending = True
                     park_now = req.park is proto.ReleasePark.NOW
@@ -409,6 +419,7 @@ class Server:
                     conn.send(proto.encode(Ok(body=self.status())))
                 case proto.Watch():
                     conn.watching = True
+                    conn.backlog.clear()  # a WATCH stream takes no more requests
                     conn.send(b"OK\n")
                     self.watchers.add(conn)
         except errors.RequestError as e:
@@ -422,7 +433,9 @@ class Server:
             conn.pending = False
             conn.send(proto.encode(Err(ErrorCode.INTERNAL, text=f"{type(e).__name__}: {e}")))
             return
-        self._apply(fx)
+        self._apply(fx)  # always, once the state machine changed: before anything else
+        if scope is not None and conn.wait_scope is scope and self._nursery is not None:
+            self._nursery.start_soon(self._wait_timer, conn, scope)
 
     def _register(self, conn: Connection, req: proto.Register, now: float) -> list[Effect]:
         gpu = self.sm.resolve_gpu(req.gpu)
@@ -480,7 +493,7 @@ class Server:
         if conn.wait_scope is not None:
             conn.wait_scope.cancel()
             conn.wait_scope = None
-        if conn.backlog:
+        if conn.backlog and not conn.closing:
             self._resume.append(conn)
 
     def _apply(self, fx: list[Effect]) -> None:
@@ -496,7 +509,7 @@ class Server:
         if self._applying:
             return
         self._applying = True
-        frames: list[deque[Connection]] = []
+        frames, budget = self._frames, RESUME_BUDGET
         try:
             while True:
                 while self._work:
@@ -513,13 +526,32 @@ class Server:
                     frames.pop()
                 if not frames:
                     return
+                if budget == 0:
+                    # A burst of resumed pipelines (one event answering many waiters)
+                    # must not hold the loop: the rest goes on after a checkpoint.
+                    self._continue_later()
+                    return
                 conn = frames[-1][0]
-                if conn.backlog and not conn.pending and conn.cid in self.conns:
+                runnable = not (conn.pending or conn.closing or conn.dropped or conn.watching)
+                if conn.backlog and runnable and conn.cid in self.conns:
+                    budget -= 1
                     self._dispatch(conn, conn.backlog.popleft())
                 else:
                     frames[-1].popleft()
         finally:
             self._applying = False
+
+    def _continue_later(self) -> None:
+        if self._continuing or self._nursery is None:
+            return
+        self._continuing = True
+
+        async def _go_on() -> None:
+            await trio.lowlevel.checkpoint()
+            self._continuing = False
+            self._apply([])
+
+        self._nursery.start_soon(_go_on)
 
     def _perform(self, e: Effect) -> None:
         nursery = self._nursery
@@ -563,11 +595,15 @@ class Server:
                 nursery.start_soon(self._ask_timer, e, token, scope)
                 if (c := self.conns.get(e.conn)) is not None:
                     log.info("asking the registrant of %s to park it", e.workload)
-                    c.send(proto.encode(proto.ParkAsk(e.workload, e.turn)))
+                    ms = int(e.timeout * 1000)
+                    c.send(proto.encode(proto.ParkAsk(e.workload, e.turn, ms)))
             case Recheck():
-                if e not in self._rechecks:  # one timer per (gpu, delay)
-                    self._rechecks.add(e)
-                    nursery.start_soon(self._recheck, e)
+                # One timer per GPU, the earliest asked for (a later one is covered: the
+                # state machine asks again for whatever is still due after it).
+                due = trio.current_time() + e.delay
+                if due < self._recheck_due.get(e.gpu, math.inf):
+                    self._recheck_due[e.gpu] = due
+                    nursery.start_soon(self._recheck, e, due)
             case SendFault():
                 log.error("FAULT %s turn=%d reason=%s: %s", e.workload, e.turn, e.reason, e.text)
                 if (c := self.conns.get(e.conn)) is not None:
@@ -700,6 +736,12 @@ class Server:
                 # Journaled before the tool runs: a daemon killed from here on finds the
                 # processes in the journal and asks the driver how far the park got.
                 self._apply(self.sm.park_started(e.op, parked, before_bytes))
+                if self.journal_error is not None:
+                    # Not on disk: a crash would leave checkpointed processes nobody
+                    # knows of. The tool waits until the journal can be written.
+                    why = "journal-unwritable"
+                    self._report(e.op, token, lambda: self.sm.park_deferred(e.op, why, _now()))
+                    return
                 out = await self.parker.park([p for p, _ in parked], self.cfg.park_timeout)
                 if not out.ok and not any(procs.alive(p) for p in parked):
                     # The processes exited under the tool (a workload ending right after
@@ -766,7 +808,7 @@ class Server:
     async def _recover_op(self, e: Recover, token: object) -> None:
         bound = max(self.cfg.park_timeout, self.cfg.restore_timeout)
         try:
-            res = await recovery.recover(self.parker, e.intent, e.procs, bound)
+            res = await recovery.recover(self.parker, e.intent, e.procs, bound, e.root)
             if res.result == "parked":
                 after = self._census(e.gpu).of(e.wid)
                 if after > e.parked_max:
@@ -792,10 +834,14 @@ class Server:
         self._asks.pop(e.op, None)
         self._report(e.op, token, lambda: self.sm.ask_expired(e.op, _now()))
 
-    async def _recheck(self, e: Recheck) -> None:
-        await trio.sleep(e.delay)
-        self._rechecks.discard(e)
-        self._apply(self.sm.recheck(e.gpu, _now()))
+    async def _recheck(self, e: Recheck, due: float) -> None:
+        await trio.sleep_until(due)
+        if self._recheck_due.get(e.gpu) == due:
+            del self._recheck_due[e.gpu]
+        try:
+            self._apply(self.sm.recheck(e.gpu, _now()))
+        except Exception:  # a timer must never take the daemon down
+            log.exception("recheck of GPU %d failed", e.gpu)
 
     async def _reap(self, e: Reap) -> None:
         ident = (e.pid, int(e.start_time))
@@ -809,8 +855,12 @@ class Server:
                 nbytes, holders = taken.of(e.wid), taken.pids_by_wid.get(e.wid, [])
             except Exception:
                 nbytes = 1  # unknown: keep the GPU taken
-            fx, done = self.sm.memory_report(e.wid, alive, nbytes, _now())
-            self._apply(fx)
+            try:
+                fx, done = self.sm.memory_report(e.wid, alive, nbytes, _now())
+                self._apply(fx)
+            except Exception:  # a reaper must never take the daemon down
+                log.exception("reaping %s failed", e.workload)
+                done = False
             if done:
                 return
             late = e.kill_after is not None and trio.current_time() - started >= e.kill_after
@@ -867,6 +917,12 @@ def _upgrade_entry(e: dict[str, Any]) -> None:
     """Journals written before processes were journaled with their start times name
     parked pids alone: pair each still-live one with its start time now."""
     if "parked_procs" not in e and e.get("parked_pids"):
+        # Only processes of the workload's tree now, started after its root: a pid that
+        # was reused by someone else's process is never taken for ours.
+        root = (int(e["pid"]), int(e["start_time"]))
+        members = set(procs.tree(root, bool(e.get("tree", True))))
         e["parked_procs"] = [
-            [int(p), st] for p in e["parked_pids"] if (st := procs.start_time(int(p))) is not None
+            [p, st]
+            for p in map(int, e["parked_pids"])
+            if p in members and (st := procs.start_time(p)) is not None and st >= root[1]
         ]

@@ -159,10 +159,7 @@ class SlicerState:
         for w in self.workloads():
             if w.park_reply == conn:
                 w.park_reply = None
-        for gpu in self.gpus.values():
-            op = gpu.op
-            if op is not None and op.stage is ParkStage.ASK and op.workload.detached:
-                fx += self._after_ask(op, False, now)  # nobody is left to answer the PARK
+        fx += self._unanswerable_asks(now)
         for index in sorted(touched):
             fx += self._reconcile(self.gpus[index], now)
         return fx
@@ -196,6 +193,8 @@ class SlicerState:
         if gpu_index not in self.gpus:
             raise errors.UnknownGpu(f"no GPU {gpu_index}")
         adopt = self._find_orphan(name, proc)
+        if adopt is not None and adopt.gpu != gpu_index:
+            adopt = None  # the same processes on another GPU: not an adoption, a clash
         taken = [self.by_wid(wid) for wid in sharing if adopt is None or wid != adopt.wid]
         if owners := sorted(w.name for w in taken if w is not None):
             raise errors.InUse(
@@ -204,7 +203,7 @@ class SlicerState:
         if adopt is None and len(self.registered) + len(self.orphans) >= self.limits.max_workloads:
             raise errors.LimitReached(f"at most {self.limits.max_workloads} workloads")
         fx: list[Effect] = []
-        if adopt is not None and adopt.gpu == gpu_index:
+        if adopt is not None:
             w = self.orphans.pop(adopt.wid)
             w.registrant, w.tree, w.park, w.parked_max = conn, tree, park, parked_max
             w.owner_uid, w.fallback, w.ask = proc.uid, fallback, ask
@@ -300,6 +299,7 @@ class SlicerState:
             raise errors.NotRegistrant(f"only the registrant may unregister {name}")
         fx: list[Effect] = [Reply(conn)]
         self._end_registration(w, now, fx)
+        fx += self._unanswerable_asks(now)
         return fx + self._reconcile(self.gpus[w.gpu], now)
 
     # ---- results of effects ----------------------------------------------------------
@@ -320,6 +320,25 @@ class SlicerState:
         w = gpu.op.workload
         w.op_procs, w.op_bytes = procs, nbytes
         return [Persist()]
+
+    def park_deferred(self, op_id: int, why: str, now: float) -> list[Effect]:
+        """The processes of park `op_id` could not be journaled (full disk): the tool
+        must not run (a crash would leave checkpointed processes nobody knows of). The
+        workload stays resident and must park; the GPU stays taken until it can."""
+        index = self._op_gpu(op_id, OpKind.PARK)
+        if index < 0:
+            return []
+        gpu = self.gpus[index]
+        assert gpu.op is not None
+        op, gpu.op = gpu.op, None
+        w = op.workload
+        w.to(WState.IDLE)
+        w.op_procs, w.op_bytes = (), 0
+        w.must_park, w.park_reply = True, op.reply_conn
+        return [
+            self._event("park-deferred", w, now, reason=why),
+            Recheck(gpu.index, self.limits.recheck_every),
+        ]
 
     def _op_gpu(self, op_id: int, kind: OpKind) -> int:
         for gpu in self.gpus.values():
@@ -383,6 +402,15 @@ class SlicerState:
         if op.reply_conn is not None:
             fx.append(Deny(op.reply_conn, errors.ParkFailed(f"park of {w.name}: {reason}")))
         return fx + self._reconcile(gpu, now)
+
+    def _unanswerable_asks(self, now: float) -> list[Effect]:
+        # A PARK whose workload lost its registrant: nobody is left to answer it.
+        fx: list[Effect] = []
+        for gpu in self.gpus.values():
+            op = gpu.op
+            if op is not None and op.stage is ParkStage.ASK and op.workload.detached:
+                fx += self._after_ask(op, False, now)
+        return fx
 
     def _ask(self, op: Op, now: float, reason: str) -> list[Effect] | None:
         w = op.workload
@@ -540,7 +568,10 @@ class SlicerState:
         """
         w = self.orphans.get(wid)
         if w is None:
-            return [], self.by_wid(wid) is None
+            # Registered (again): a reaper of a faulted one goes on (its kill deadline);
+            # any other stops, and a new one starts if the registration ends again.
+            live = self.by_wid(wid)
+            return [], live is None or live.state is not WState.FAULTED
         gone = not alive or (w.state is WState.FAULTED and nbytes == 0)
         if w.state not in (WState.FAULTED, WState.PARKED) or not gone:
             return [], False
@@ -860,7 +891,14 @@ class SlicerState:
                 return [
                     self._event("recovering", w, now, intent=w.recover),
                     Recover(
-                        op.op_id, w.wid, w.name, gpu.index, w.recover, w.op_procs, w.parked_max
+                        op.op_id,
+                        w.wid,
+                        w.name,
+                        gpu.index,
+                        w.recover,
+                        w.op_procs,
+                        w.parked_max,
+                        (w.pid, int(w.start_time)),
                     ),
                 ]
         residents = [w for w in on_gpu if w.state in RESIDENT]
@@ -872,7 +910,8 @@ class SlicerState:
         # the GPU (or crowds it next to another resident).
         held = [w for w in idle if w.detached and w.hold_until > now]
         if held:
-            return []  # the GPU stays taken until it is adopted or its grace ends
+            # The GPU stays taken until it is adopted or its grace ends: look again then.
+            return [Recheck(gpu.index, max(0.01, min(w.hold_until for w in held) - now))]
         for w in idle:
             if w.must_park or w.detached:
                 return self._start_park(gpu, w, now)

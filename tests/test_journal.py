@@ -95,17 +95,30 @@ async def test_a_full_disk_costs_no_turn_and_the_journal_catches_up() -> None:
                     # memory, says so in STATUS and its log, and the old journal stays whole.
                     await rb.register("b", pid=pb)
                     t = await c.acquire("a")
-                    await c.release("a", t.turn, park="now")
-                    assert stack.ledger.state(pa) == "checkpointed"
-                    st = await stack.status()
-                    assert st["journal"]["ok"] is False
+                    st = await journal_ok(stack, False)
                     assert "No space left on device" in st["journal"]["error"]
-                    assert workload(st, "a")["state"] == "parked"  # type: ignore[index]
                     assert names(journal_doc(stack)) == {"a"}
                     assert not (state / "journal.json.tmp").exists()
                     assert stack.log is not None and "cannot write journal" in stack.log.read_text()
-                    # Room again: the retry writes the whole current state.
-                    filler.unlink()
+                    released = trio.Event()
+
+                    async def release() -> None:
+                        await c.release("a", t.turn, park="now")
+                        released.set()
+
+                    async with trio.open_nursery() as n:
+                        n.start_soon(release)
+                        # A checkpoint park waits for the journal: a crash must never leave
+                        # checkpointed processes that no journal names.
+                        await stack.until(
+                            lambda st: workload(st, "a")["state"] == "idle"  # type: ignore[index]
+                        )  # it was active: back to idle means the park was deferred
+                        assert stack.ledger.state(pa) == "running" and not released.is_set()
+                        assert stack.ledger.overlaps() == 0
+                        # Room again: the retry writes the journal, the park goes on.
+                        filler.unlink()
+                        await released.wait()
+                    assert stack.ledger.state(pa) == "checkpointed"
                     await journal_ok(stack, True)
                     doc = journal_doc(stack)
                     assert names(doc) == {"a", "b"}
@@ -153,7 +166,7 @@ async def test_an_unreadable_journal_gives_one_line_and_discard_starts_anyway() 
 
 def test_a_save_is_whole_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     j = Journal(tmp_path)
-    j.save([{"name": "a"}])
+    j.save([{**GOOD, "name": "a"}])
     real_write = os.write
     writes: list[int] = []
 
@@ -165,12 +178,12 @@ def test_a_save_is_whole_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr("slicer.journal.os.write", short_then_full)
     with pytest.raises(JournalError, match="No space left on device"):
-        j.save([{"name": "b"}])
+        j.save([{**GOOD, "name": "b"}])
     monkeypatch.undo()
     assert len(writes) == 2  # the short write was noticed and continued, not trusted
     assert not (tmp_path / "journal.json.tmp").exists()
     assert [w["name"] for w in Journal(tmp_path).load()] == ["a"]
-    j.save([{"name": "b"}])  # nothing was recorded as written: it is saved now
+    j.save([{**GOOD, "name": "b"}])  # nothing was recorded as written: it is saved now
     assert [w["name"] for w in Journal(tmp_path).load()] == ["b"]
 
 
@@ -185,3 +198,52 @@ def test_every_unreadable_journal_names_its_file_and_the_way_out(
         Journal(tmp_path).load()
     assert str(tmp_path / "journal.json") in str(e.value)
     assert "--discard-journal" in str(e.value)
+
+
+GOOD = {
+    "name": "a",
+    "gpu": 0,
+    "pid": 1,
+    "start_time": 1.0,
+    "tree": True,
+    "park": "checkpoint",
+    "parked_max": 0,
+    "owner_uid": 0,
+    "state": "parked",
+}
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ({"parked_procs": [["7", None]]}, "parked_procs"),
+        ({"op_procs": [[1, 2, 3]]}, "op_procs"),
+        ({"gpu": "0"}, "gpu"),
+        ({"tree": 1}, "tree"),
+        ({"pid": None}, "pid"),
+        ({"parks": "3"}, "parks"),
+    ],
+)
+def test_a_journal_entry_of_the_wrong_shape_is_one_clear_error(
+    tmp_path: Path, bad: dict[str, object], why: str
+) -> None:
+    doc = {"version": 1, "workloads": [GOOD, {**GOOD, **bad}]}
+    (tmp_path / "journal.json").write_text(json.dumps(doc))
+    with pytest.raises(JournalError, match=f"workload entry 1: {why}"):
+        Journal(tmp_path).load()
+    (tmp_path / "journal.json").write_text(json.dumps({"version": 1, "workloads": [GOOD]}))
+    assert Journal(tmp_path).load() == [GOOD]
+
+
+@pytest.mark.parametrize("state_dir", ["/proc/self/nope", "/sys/kernel/slicer"])
+async def test_an_unusable_state_dir_is_one_line_and_no_restart(state_dir: str) -> None:
+    with trio.fail_after(60):
+        async with running_stack(gpus=1) as stack:
+            await stack.stop()
+            args = list(stack.args)
+            args[args.index("--state-dir") + 1] = state_dir
+            cmd = [sys.executable, "-m", "slicer.daemon", *args]
+            res = await trio.run_process(cmd, env=stack.env, check=False, capture_stderr=True)
+            err = res.stderr.decode()
+            assert res.returncode == 78, err
+            assert "Traceback" not in err and state_dir.split("/")[1] in err

@@ -193,7 +193,7 @@ async def test_a_silent_registrant_is_passed_over_for_cuda_checkpoint() -> None:
     with trio.fail_after(60):
         async with running_stack("--registrant-park-timeout", "1", gpus=1) as stack:
             reg_v, pv, waiter, ask = await _holder_dies(stack, fallback="checkpoint")
-            assert ask == proto.ParkAsk("v", 1)
+            assert ask == proto.ParkAsk("v", 1, 1000)  # the registrant's window, 1 s here
             async with waiter.stream:
                 await waiter.granted()  # after the fallback's verified checkpoint
                 assert stack.ledger.state(pv) == "checkpointed"

@@ -14,7 +14,8 @@ import pytest
 import trio
 
 import proto
-from tests.harness import Stack, running_stack
+from slicer.client import ClientError
+from tests.harness import GiB, Stack, running_stack
 
 pytestmark = pytest.mark.integration
 
@@ -164,11 +165,11 @@ async def test_one_user_cannot_take_every_connection() -> None:
                 # whole table, past the room unprivileged users may fill.
                 got = await trio.to_thread.run_sync(root_pings, stack.socket, 15)
                 assert got == [b"OK\n"] * 15
-                # A second user stops where the room kept for root begins (40 - 10).
+                # A second user stops where the room kept for root alone begins (40 - 10).
                 p2, r2 = await trio.to_thread.run_sync(hold_as, 65533, stack.socket, 6)
                 try:
                     assert r2[:5] == ["OK"] * 5
-                    assert r2[5].startswith("ERR limit") and "unprivileged" in r2[5]
+                    assert r2[5].startswith("ERR limit") and "other than root" in r2[5]
                     assert (
                         await trio.to_thread.run_sync(root_pings, stack.socket, 10)
                         == [b"OK\n"] * 10
@@ -181,4 +182,82 @@ async def test_one_user_cannot_take_every_connection() -> None:
             # moment later: poll, bounded by fail_after).
             while (await stack.status())["connections"] != 1:
                 await trio.sleep(0.05)
+            assert stack.overlaps() == 0
+
+
+async def test_a_pipeline_resumed_while_its_connection_lingers_never_wedges_the_gpu() -> None:
+    """A RELEASE park=now waiting, an `ACQUIRE wait=` behind it, then a line too long: the
+    server answers ERR and lingers; the park ends meanwhile. Nothing of the closing
+    connection's pipeline may run then (it would leave a GPU op nobody performs)."""
+    with trio.fail_after(60):
+        async with running_stack(gpus=1) as stack:
+            pa = stack.sleeper(4 * GiB, label="a")
+            async with await stack.client() as ra, await stack.client() as rb:
+                await ra.register("a", pid=pa)
+                await rb.register("b", pid=stack.sleeper())
+                x = await raw(stack)
+                await x.send_all(b"ACQUIRE a\n")
+                (granted,) = await read_lines(x, 1)
+                assert granted.startswith(b"OK turn=1")
+                stack.ledger.inject(pa, "checkpoint", hang=True)
+                await x.send_all(b"RELEASE a turn=1 park=now\nACQUIRE a wait=30\n")
+                await stack.until(lambda st: st["gpus"][0]["busy"] == "park")
+                await x.send_all(b"Y" * 70000)
+                (err,) = await read_lines(x, 1)
+                assert err.startswith(b"ERR line-too-long")
+                stack.ledger.clear_injection(pa, "checkpoint")  # the park ends while it lingers
+                async with await stack.client() as other:
+                    t = await other.acquire("b")  # the GPU is not wedged
+                    st = await stack.status()
+                    assert st["gpus"][0]["holder"] == {"workload": "b", "turn": t.turn}
+                    await other.release("b", t.turn)
+                await x.aclose()
+            assert stack.overlaps() == 0
+
+
+async def test_a_watch_resumed_from_a_pipeline_takes_no_more_requests() -> None:
+    with trio.fail_after(30):
+        async with running_stack(gpus=1) as stack:
+            async with await stack.client() as reg, await stack.client() as holder:
+                await reg.register("a", pid=stack.sleeper())
+                await holder.acquire("a")
+                s = await raw(stack)
+                await s.send_all(b"ACQUIRE a wait=0.2\nWATCH\nPING\nHELLO\n")
+                buf, lines = proto.LineBuffer(proto.MAX_SERVER_LINE), []
+                while len([x for x in lines if not x.startswith(b"EVENT")]) < 2:
+                    lines += buf.feed(await s.receive_some(65536))
+                async with await stack.client() as late:
+                    await late.register("marker", pid=stack.sleeper())
+                    while not any(b'"workload":"marker"' in x for x in lines):
+                        lines += buf.feed(await s.receive_some(65536))
+                replies = [x for x in lines if not x.startswith(b"EVENT")]
+                assert replies[0].startswith(b"ERR timeout") and replies[1] == b"OK", replies
+                assert len(replies) == 2, replies  # PING and HELLO after WATCH: not answered
+                await s.aclose()
+            assert stack.overlaps() == 0
+
+
+async def test_one_event_answering_many_pipelines_serves_them_all() -> None:
+    """30 connections wait for w, each with 20 STATUS pipelined behind; one UNREGISTER
+    answers them all: every pipeline is served, in order, while a PING still gets in."""
+    with trio.fail_after(60):
+        async with running_stack(gpus=1) as stack:
+            async with await stack.client() as reg, await stack.client() as holder:
+                await reg.register("w", pid=stack.sleeper())
+                t = await holder.acquire("w")
+                streams = [await raw(stack) for _ in range(30)]
+                for i, s in enumerate(streams):
+                    await s.send_all(b"ACQUIRE w\n" + b"STATUS\n" * 20)
+                    await stack.until(lambda st, n=i + 1: len(st["gpus"][0]["queue"]) == n)
+                await reg.unregister("w")
+                async with await stack.client() as other:
+                    await other.ping()
+                for s in streams:
+                    got = await read_lines(s, 21)
+                    assert got[0].startswith(b"ERR gone"), got[0]
+                    assert all(x.startswith(b"OK {") for x in got[1:])
+                    await s.aclose()
+                with pytest.raises(ClientError) as e:
+                    await holder.release("w", t.turn)  # the turn ended with w
+                assert e.value.code == "not-holder"
             assert stack.overlaps() == 0

@@ -1131,10 +1131,10 @@ def test_recovered_awake_cooperative_orphan_waits_for_its_launcher() -> None:
     d.register(RB, "b")
     entries = _entries(d.sm, a=(True, 5 * GIB))
     d2, out = _restart(entries)
-    assert out == [("recheck", 0)]
+    assert out == [("recheck", 0), ("recheck", 0)]  # the grace, and the hold's end
     assert d2.state("a") == "idle"
     d2.register(RB, "b")
-    assert d2.acquire(D2, "b") == []  # b waits: a is resident and held
+    assert d2.acquire(D2, "b") == [("recheck", 0)]  # b waits: a is resident and held
     # the launcher comes back in time: a is adopted, still resident, and then parked
     # (verified) for the waiting b like any idle workload
     assert d2.register(RA, "a", park="cooperative", parked_max=GIB) == [
@@ -1149,6 +1149,6 @@ def test_recovered_cooperative_orphan_is_parked_after_the_grace() -> None:
     d.run(lambda now: d.sm.adopt_journal([], now))
     d.register(RA, "a", park="cooperative", parked_max=GIB)
     d2, _ = _restart(_entries(d.sm, a=(True, 5 * GIB)))
-    assert d2.recheck(0) == []  # within the grace
+    assert d2.recheck(0) == [("recheck", 0)]  # within the grace: look again at its end
     d2.now += d2.sm.limits.adopt_grace
     assert d2.recheck(0) == [("park", "a", "cooperative")]

@@ -251,3 +251,46 @@ def test_recovery_failure_faults_and_keeps_the_gpu() -> None:
     out = d.recover_done("fault", reason="recover-failed")
     assert out == [("FAULT", RA, "a", 0, "recover-failed"), ("reap", "a", 60.0)]
     assert d.state("b") == "registered"  # the GPU stays taken
+
+
+def test_unregister_during_an_ask_moves_on_at_once(d: Driver) -> None:
+    coop(d)
+    holder_dies_while_b_waits(d)
+    out = d.unregister(RA, "a")  # nobody is left to answer the PARK
+    assert ("park", "a", "checkpoint") in out
+
+
+def test_the_same_processes_on_another_gpu_are_in_use_not_adopted(d: Driver) -> None:
+    d.acquire(D1, "a")
+    d.release(D1, "a", park_now=True)
+    d.park_done()
+    d.close(RA)  # a: a parked orphan on GPU 0
+    d.connect(RA, uid=USER, pid=900 + RA)
+    before = snapshot(d.sm)
+    with pytest.raises(errors.InUse):
+        d.register(RA, "a", 1, sharing=(d.wid("a"),))  # its pid, GPU 1
+    assert snapshot(d.sm) == before
+    assert d.register(RA, "a", 0, sharing=(d.wid("a"),)) == [("registered", RA, "a", "parked")]
+
+
+def test_the_reaper_of_an_adopted_workload_stops(d: Driver) -> None:
+    d.acquire(D1, "a")
+    d.release(D1, "a", park_now=True)
+    d.park_done()
+    out = d.close(RA)
+    assert ("reap", "a", None) in out
+    wid = d.wid("a")
+    d.connect(RA, uid=USER, pid=900 + RA)
+    d.register(RA, "a")  # adopted
+    assert d.sm.memory_report(wid, True, 0, d.now) == ([], True)
+
+
+def test_a_held_orphan_asks_to_be_looked_at_again_when_its_grace_ends() -> None:
+    d = restarted("parking", op_procs=PROC, op_bytes=MOVED, park="cooperative", parked_max=GIB)
+    d.sm.limits = type(d.sm.limits)(adopt_grace=60.0)
+    d.now += 10
+    out = d.run(lambda now: d.sm.recover_done(d.recovers.popleft().op, "resident", (), "", "", now))
+    assert out[:1] == [("recheck", 0)]
+    d.now += 30
+    rechecks = [e for e in d.apply(d.sm.recheck(0, d.now)) if type(e).__name__ == "Recheck"]
+    assert [round(e.delay) for e in rechecks] == [30]  # the rest of its grace, not nothing
