@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:  # run as a script: make slicer/stubs importable
     sys.path.insert(0, str(ROOT))
 
 from bench.slicerd_proc import TOOL, die_with_parent  # noqa: E402
-from slicer.client import AsyncSlicer  # noqa: E402
+from gpu_slicer.slicer.client import AsyncSlicer  # noqa: E402
 from stubs.fakegpu import Ledger, parse_size  # noqa: E402
 
 TARGETS = {"added_p50_ms": 2.0, "throughput_ratio": 0.8, "bytes_per_token": 8.0}
@@ -182,7 +182,7 @@ def running(args: argparse.Namespace) -> Iterator[Env]:
             notify.bind(notify_path)
             notify.settimeout(0.2)
             e.env = {**env, "NOTIFY_SOCKET": notify_path}
-            daemon = [sys.executable, "-m", "slicer.daemon", "--socket", sock]
+            daemon = [sys.executable, "-m", "gpu_slicer.slicer.daemon", "--socket", sock]
             daemon += ["--gpu-backend", "fake", "--cuda-checkpoint", TOOL]
             e.start("slicerd", [*daemon, "--state-dir", str(base / "state")])
             e.env = env
@@ -195,7 +195,7 @@ def running(args: argparse.Namespace) -> Iterator[Env]:
 
             e.wait_for("slicerd", "READY=1", ready)
         ready_file = base / "ready"
-        argv = [sys.executable, "-m", "launcher.main", "vllm", "--workload", "v"]
+        argv = [sys.executable, "-m", "gpu_slicer.launcher.main", "vllm", "--workload", "v"]
         argv += ["--socket", sock, "--park", "cooperative", "--ready-file", str(ready_file)]
         argv += ["--", sys.executable, "-m", "stubs.vllm_stub", "serve", "m"]
         argv += ["--port", str(stub_port), "--fake-workload", "v"]
@@ -205,7 +205,15 @@ def running(args: argparse.Namespace) -> Iterator[Env]:
         prefix = [sys.executable]
         if args.profile_dispatcher:
             prefix += ["-m", "cProfile", "-o", os.path.abspath(args.profile_dispatcher)]
-        argv = [*prefix, "-m", "dispatcher.main", "--workload", "v", "--replica", e.stub_url]
+        argv = [
+            *prefix,
+            "-m",
+            "gpu_slicer.dispatcher.main",
+            "--workload",
+            "v",
+            "--replica",
+            e.stub_url,
+        ]
         argv += ["--socket", sock, "--state-dir", str(base / "dstate")]
         argv += ["--listen", f"127.0.0.1:{disp_port}", "--log-level", "warning"]
         e.start("dispatcher", argv)

@@ -69,10 +69,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make slicer/stubs importable
     sys.path.insert(0, str(ROOT))
 
-from slicer.client import AsyncSlicer  # noqa: E402
-from slicer.demo_font import GLYPH_H, text_width  # noqa: E402
-from slicer.demo_png import INK, ROW_COLORS, Canvas  # noqa: E402
-from slicer.demo_proc import (  # noqa: E402
+from gpu_slicer.slicer.client import AsyncSlicer  # noqa: E402
+from gpu_slicer.slicer.demo_font import GLYPH_H, text_width  # noqa: E402
+from gpu_slicer.slicer.demo_png import INK, ROW_COLORS, Canvas  # noqa: E402
+from gpu_slicer.slicer.demo_proc import (  # noqa: E402
     DemoError,
     Procs,
     Recording,
@@ -295,7 +295,16 @@ async def _launch_vllm(base: Path, env: dict[str, str], procs: Procs, sock: str,
     port = _free_port()
     ready = base / f"{name}.ready"
     tps = s.max_tokens * s.k / s.batch_s  # a request of max_tokens takes batch_s real
-    argv = [sys.executable, "-m", "launcher.main", "vllm", "--workload", name, "--park", park]
+    argv = [
+        sys.executable,
+        "-m",
+        "gpu_slicer.launcher.main",
+        "vllm",
+        "--workload",
+        name,
+        "--park",
+        park,
+    ]
     argv += ["--socket", sock, "--ready-file", str(ready), "--boot-timeout", "60"]
     argv += ["--health-timeout", "60", "--", sys.executable, "-m", "stubs.vllm_stub", "serve"]
     argv += ["m", "--port", str(port), "--fake-workload", name]
@@ -372,7 +381,7 @@ async def run_loop(s: Scenario, *, turn_seconds: float | None = None, mode: str 
             vport = await _launch_vllm(base, env, procs, sock, s, "sampler", "cooperative")
             dport = _free_port()
             dlog = base / "dispatcher.log"
-            argv = [sys.executable, "-m", "dispatcher.main", "--workload", "sampler"]
+            argv = [sys.executable, "-m", "gpu_slicer.dispatcher.main", "--workload", "sampler"]
             argv += ["--replica", f"http://127.0.0.1:{vport}", "--listen", f"127.0.0.1:{dport}"]
             argv += ["--socket", sock, "--state-dir", str(base / "dispatch")]
             argv += ["--turn-seconds", f"{ts / s.k:.6f}", "--turn-grace", f"{s.batch_s / s.k:.6f}"]

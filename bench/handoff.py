@@ -56,9 +56,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make proto/slicer/stubs importable
     sys.path.insert(0, str(ROOT))
 
-import proto  # noqa: E402
 from bench.slicerd_proc import run_script, start_fake_slicerd, stop  # noqa: E402
-from slicer.client import AsyncSlicer  # noqa: E402
+from gpu_slicer import proto  # noqa: E402
+from gpu_slicer.slicer.client import AsyncSlicer  # noqa: E402
 
 TARGETS = {
     "handoff_p50_us": 250.0,

@@ -67,7 +67,7 @@ if str(ROOT) not in sys.path:  # run as a script: make proto/slicer/stubs import
     sys.path.insert(0, str(ROOT))
 
 from bench.slicerd_proc import die_with_parent, run_script, start_fake_slicerd, stop  # noqa: E402
-from slicer.client import AsyncSlicer  # noqa: E402
+from gpu_slicer.slicer.client import AsyncSlicer  # noqa: E402
 
 MARKER = "load-end-marker"  # registered after the run: the watcher's cue that it has all
 SLEEPERS = 4

@@ -64,7 +64,7 @@ def start_fake_slicerd(
     prefix = [sys.executable]
     if profile:  # stats are written when the daemon exits on SIGTERM
         prefix += ["-m", "cProfile", "-o", os.path.abspath(profile)]
-    cmd = [*prefix, "-m", "slicer.daemon", *(extra_args or [])]
+    cmd = [*prefix, "-m", "gpu_slicer.slicer.daemon", *(extra_args or [])]
     cmd += ["--socket", sock, "--gpu-backend", "fake", "--cuda-checkpoint", TOOL]
     cmd += ["--state-dir", str(base / "state"), "--log-level", log_level]
     log = base / "slicerd.log"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from dispatcher.errors import BadRequest
+from gpu_slicer.dispatcher.errors import BadRequest
 
 __all__ = ["MAX_PATH_CHARS", "check_checkpoint_dir", "check_path_text"]
 

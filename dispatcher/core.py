@@ -53,10 +53,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dispatcher.errors import BadRequest
+from gpu_slicer.dispatcher.errors import BadRequest
 
 if TYPE_CHECKING:
-    from dispatcher.store import Pending
+    from gpu_slicer.dispatcher.store import Pending
 
 __all__ = [
     "KINDS",

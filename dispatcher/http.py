@@ -53,7 +53,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from dispatcher.errors import (
+from gpu_slicer.dispatcher.errors import (
     BadRequest,
     DeadlineExceeded,
     DispatchError,
@@ -63,9 +63,9 @@ from dispatcher.errors import (
     StoreFull,
     UnknownRevision,
 )
-from dispatcher.serve import LOAD_FAILED, SEND_FAILED
-from dispatcher.store import Result
-from dispatcher.turns import TurnLoop
+from gpu_slicer.dispatcher.serve import LOAD_FAILED, SEND_FAILED
+from gpu_slicer.dispatcher.store import Result
+from gpu_slicer.dispatcher.turns import TurnLoop
 
 __all__ = [
     "ERROR_MAP",

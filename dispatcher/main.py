@@ -35,14 +35,14 @@ from pathlib import Path
 import click
 import trio
 
-from dispatcher.core import WEIGHT_CHECKS
-from dispatcher.errors import DispatchError
-from dispatcher.http import build_app, serve_http
-from dispatcher.owner import StateLock
-from dispatcher.serve import MAX_LOAD_FAILURES, MAX_SEND_ERRORS
-from dispatcher.store import Store
-from dispatcher.turns import TurnConfig, TurnLoop
-from dispatcher.vllm import Replica
+from gpu_slicer.dispatcher.core import WEIGHT_CHECKS
+from gpu_slicer.dispatcher.errors import DispatchError
+from gpu_slicer.dispatcher.http import build_app, serve_http
+from gpu_slicer.dispatcher.owner import StateLock
+from gpu_slicer.dispatcher.serve import MAX_LOAD_FAILURES, MAX_SEND_ERRORS
+from gpu_slicer.dispatcher.store import Store
+from gpu_slicer.dispatcher.turns import TurnConfig, TurnLoop
+from gpu_slicer.dispatcher.vllm import Replica
 
 log = logging.getLogger("dispatcher")
 

@@ -14,7 +14,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from dispatcher.errors import StateInUse, StoreError
+from gpu_slicer.dispatcher.errors import StateInUse, StoreError
 
 __all__ = ["LOCK_NAME", "StateLock"]
 

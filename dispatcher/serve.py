@@ -65,7 +65,7 @@ from typing import Any
 
 import trio
 
-from dispatcher.core import (
+from gpu_slicer.dispatcher.core import (
     WEIGHT_CHECKS,
     TurnPlan,
     next_revision,
@@ -73,10 +73,10 @@ from dispatcher.core import (
     result_ok,
     weight_versions,
 )
-from dispatcher.errors import DispatchError, NotFound, ReplicaError, StoreError
-from dispatcher.store import Pending, Store
-from dispatcher.vllm import CONTROL_TIMEOUT_S, Replica
-from slicer.client import Turn
+from gpu_slicer.dispatcher.errors import DispatchError, NotFound, ReplicaError, StoreError
+from gpu_slicer.dispatcher.store import Pending, Store
+from gpu_slicer.dispatcher.vllm import CONTROL_TIMEOUT_S, Replica
+from gpu_slicer.slicer.client import Turn
 
 __all__ = [
     "LOAD_BACKOFF_MAX_S",

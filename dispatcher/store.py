@@ -43,9 +43,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dispatcher.checkpoint import check_path_text
-from dispatcher.core import MAX_PARAMS_BYTES, parse_body
-from dispatcher.errors import BadRequest, NotFound, StoreError, StoreFull, UnknownRevision
+from gpu_slicer.dispatcher.checkpoint import check_path_text
+from gpu_slicer.dispatcher.core import MAX_PARAMS_BYTES, parse_body
+from gpu_slicer.dispatcher.errors import (
+    BadRequest,
+    NotFound,
+    StoreError,
+    StoreFull,
+    UnknownRevision,
+)
 
 __all__ = [
     "DB_NAME",

@@ -49,13 +49,13 @@ from typing import Any
 
 import trio
 
-import proto
-from dispatcher.checkpoint import check_checkpoint_dir, check_path_text
-from dispatcher.errors import DispatchError, ReplicaError, StoreError, UnknownRevision
-from dispatcher.serve import Counters, Serving, TurnConfig, TurnState
-from dispatcher.store import Pending, Result, Revision, Store, check_revision_name
-from dispatcher.vllm import Replica
-from slicer.client import AsyncSlicer, ClientError
+from gpu_slicer import proto
+from gpu_slicer.dispatcher.checkpoint import check_checkpoint_dir, check_path_text
+from gpu_slicer.dispatcher.errors import DispatchError, ReplicaError, StoreError, UnknownRevision
+from gpu_slicer.dispatcher.serve import Counters, Serving, TurnConfig, TurnState
+from gpu_slicer.dispatcher.store import Pending, Result, Revision, Store, check_revision_name
+from gpu_slicer.dispatcher.vllm import Replica
+from gpu_slicer.slicer.client import AsyncSlicer, ClientError
 
 __all__ = ["Counters", "TurnConfig", "TurnLoop"]
 

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import trio
 
-from dispatcher.errors import ReplicaError
+from gpu_slicer.dispatcher.errors import ReplicaError
 
 __all__ = ["CONTROL_TIMEOUT_S", "Replica"]
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import psutil
 import trio
 
-from launcher.config import log
+from gpu_slicer.launcher.config import log
 
 SWEEP_POLL = 0.05  # seconds between looks at processes that are not our children
 KILL_WAIT = 10.0  # bound on the wait after SIGKILL (the kernel needs no more)

@@ -26,10 +26,10 @@ from typing import Any
 import click
 import trio
 
-import proto
-from launcher.config import LaunchConfig, VllmConfig, setup_logging
-from launcher.supervise import Profile, Supervisor
-from launcher.vllm import VllmProfile
+from gpu_slicer import proto
+from gpu_slicer.launcher.config import LaunchConfig, VllmConfig, setup_logging
+from gpu_slicer.launcher.supervise import Profile, Supervisor
+from gpu_slicer.launcher.vllm import VllmProfile
 
 
 def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | None:

@@ -27,9 +27,9 @@ from typing import Any
 
 import trio
 
-import proto
-from launcher.config import LaunchConfig, log
-from slicer.client import AsyncSlicer, ClientError, Unreachable, socket_path
+from gpu_slicer import proto
+from gpu_slicer.launcher.config import LaunchConfig, log
+from gpu_slicer.slicer.client import AsyncSlicer, ClientError, Unreachable, socket_path
 
 
 def _why(e: BaseException) -> str:

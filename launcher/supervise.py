@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import trio
 
-import proto
-from launcher.child import Child, exit_code
-from launcher.config import Exit, LaunchConfig, log
-from launcher.registration import Refused, Registration
-from slicer.client import Unreachable
-from slicer.notify import sd_notify
+from gpu_slicer import proto
+from gpu_slicer.launcher.child import Child, exit_code
+from gpu_slicer.launcher.config import Exit, LaunchConfig, log
+from gpu_slicer.launcher.registration import Refused, Registration
+from gpu_slicer.slicer.client import Unreachable
+from gpu_slicer.slicer.notify import sd_notify
 
 
 class BootFailed(Exception):

@@ -32,11 +32,11 @@ from pathlib import Path
 import httpx
 import trio
 
-from launcher.child import Child
-from launcher.config import Exit, VllmConfig, log
-from launcher.supervise import BootFailed, Profile, Supervisor
-from slicer.client import AsyncSlicer, ClientError, Turn, Unreachable
-from slicer.notify import sd_notify
+from gpu_slicer.launcher.child import Child
+from gpu_slicer.launcher.config import Exit, VllmConfig, log
+from gpu_slicer.launcher.supervise import BootFailed, Profile, Supervisor
+from gpu_slicer.slicer.client import AsyncSlicer, ClientError, Turn, Unreachable
+from gpu_slicer.slicer.notify import sd_notify
 
 SLEEP_FLAG = "--enable-sleep-mode"
 PROBE_TIMEOUT = 2.0  # one /health probe

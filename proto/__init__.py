@@ -5,10 +5,10 @@ Bytes in, messages out: `LineBuffer` splits a stream into lines, `parse_request`
 Nothing here does I/O, and the only exception raised is `ProtocolError`.
 """
 
-from proto.codec import encode
-from proto.errors import ErrorCode, LineTooLong, ProtocolError
-from proto.framing import LineBuffer
-from proto.messages import (
+from gpu_slicer.proto.codec import encode
+from gpu_slicer.proto.errors import ErrorCode, LineTooLong, ProtocolError
+from gpu_slicer.proto.framing import LineBuffer
+from gpu_slicer.proto.messages import (
     Acquire,
     Err,
     Event,
@@ -31,9 +31,9 @@ from proto.messages import (
     Waiting,
     Watch,
 )
-from proto.replies import parse_server_line
-from proto.requests import parse_request
-from proto.values import (
+from gpu_slicer.proto.replies import parse_server_line
+from gpu_slicer.proto.requests import parse_request
+from gpu_slicer.proto.values import (
     MAX_LINE,
     MAX_SERVER_LINE,
     NAME_RE,

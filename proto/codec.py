@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from proto.errors import ErrorCode, ProtocolError
-from proto.messages import (
+from gpu_slicer.proto.errors import ErrorCode, ProtocolError
+from gpu_slicer.proto.messages import (
     Acquire,
     Err,
     Event,
@@ -22,8 +22,8 @@ from proto.messages import (
     Waiting,
     Watch,
 )
-from proto.replies import encode_server_message
-from proto.requests import encode_request
+from gpu_slicer.proto.replies import encode_server_message
+from gpu_slicer.proto.requests import encode_request
 
 __all__ = ["encode"]
 

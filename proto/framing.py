@@ -8,8 +8,8 @@ in a free-text tail introduced by `` -- ``.
 
 from __future__ import annotations
 
-from proto.errors import ErrorCode, LineTooLong, ProtocolError
-from proto.values import KEY_RE, MAX_LINE
+from gpu_slicer.proto.errors import ErrorCode, LineTooLong, ProtocolError
+from gpu_slicer.proto.values import KEY_RE, MAX_LINE
 
 __all__ = ["LineBuffer", "decode_line", "split_args", "split_tail"]
 

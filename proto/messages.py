@@ -12,8 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from proto.errors import ErrorCode, ProtocolError
-from proto.values import PROTO_VERSION
+from gpu_slicer.proto.errors import ErrorCode, ProtocolError
+from gpu_slicer.proto.values import PROTO_VERSION
 
 __all__ = [
     "Acquire",

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any, NoReturn
 
-from proto.errors import ErrorCode, LineTooLong, ProtocolError
-from proto.framing import decode_line, split_args, split_tail
-from proto.messages import Err, Event, Fault, Ok, ParkAsk, ServerMessage, Waiting
-from proto.values import (
+from gpu_slicer.proto.errors import ErrorCode, LineTooLong, ProtocolError
+from gpu_slicer.proto.framing import decode_line, split_args, split_tail
+from gpu_slicer.proto.messages import Err, Event, Fault, Ok, ParkAsk, ServerMessage, Waiting
+from gpu_slicer.proto.values import (
     CODE_RE,
     INT_MAX,
     MAX_LINE,

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proto.errors import ErrorCode, ProtocolError
-from proto.framing import decode_line, split_args
-from proto.messages import (
+from gpu_slicer.proto.errors import ErrorCode, ProtocolError
+from gpu_slicer.proto.framing import decode_line, split_args
+from gpu_slicer.proto.messages import (
     Acquire,
     Hello,
     Parked,
@@ -30,7 +30,7 @@ from proto.messages import (
     Unregister,
     Watch,
 )
-from proto.values import (
+from gpu_slicer.proto.values import (
     CLIENT_RE,
     GPU_RE,
     MAX_LINE,

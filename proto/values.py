@@ -11,7 +11,7 @@ import math
 import re
 from fractions import Fraction
 
-from proto.errors import ErrorCode, ProtocolError
+from gpu_slicer.proto.errors import ErrorCode, ProtocolError
 
 __all__ = [
     "CLIENT_RE",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slicer import procs
+from gpu_slicer.slicer import procs
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,9 +25,9 @@ from typing import Any, NoReturn, TypeVar
 import click
 from click.shell_completion import BashComplete, ShellComplete, ZshComplete
 
-import proto
-from launcher import main as launch
-from slicer.client import ClientError, Slicer, Unreachable, socket_path
+from gpu_slicer import proto
+from gpu_slicer.launcher import main as launch
+from gpu_slicer.slicer.client import ClientError, Slicer, Unreachable, socket_path
 
 EX_UNAVAILABLE = 69
 REPLY_TIMEOUT = 30.0  # seconds to wait for a reply to PING/STATUS/WATCH
@@ -301,7 +301,7 @@ def demo(args: tuple[str, ...]) -> None:
     launcher, the dispatcher and a trainer stub publishing revisions (`--mode trainers`:
     two trainer stubs only). ARGS go to the demo: `slicerctl demo -- --revisions 2`; its
     options: `slicerctl demo -- --help`."""
-    from slicer import demo as demo_module  # only this command needs it and its imports
+    from gpu_slicer.slicer import demo as demo_module  # only this command needs it and its imports
 
     sys.exit(demo_module.main(list(args)))
 

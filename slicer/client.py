@@ -21,9 +21,9 @@ from typing import Any
 
 import trio
 
-import proto
-from slicer.config import DEFAULT_SOCKET
-from slicer.errors import SlicerError
+from gpu_slicer import proto
+from gpu_slicer.slicer.config import DEFAULT_SOCKET
+from gpu_slicer.slicer.errors import SlicerError
 
 
 class ClientError(SlicerError):

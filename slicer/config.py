@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slicer.errors import ConfigError
+from gpu_slicer.slicer.errors import ConfigError, GpuBackendError
+from gpu_slicer.slicer.gpu import check_backend_name
 
 DEFAULT_CONFIG = Path("/etc/slicer/slicer.toml")
 DEFAULT_SOCKET = "/run/slicer/slicer.sock"
@@ -67,8 +68,10 @@ class Config:
                 raise ConfigError(f"{key} must be >= 1")
         if self.reserved_connections < 0:
             raise ConfigError("reserved_connections must be >= 0")
-        if self.gpu_backend not in ("nvml", "fake"):
-            raise ConfigError(f"gpu_backend must be nvml or fake, got {self.gpu_backend!r}")
+        try:
+            check_backend_name(self.gpu_backend)
+        except GpuBackendError as e:
+            raise ConfigError(f"gpu_backend: {e}") from None
         if self.foreign not in ("block", "ignore"):
             raise ConfigError(f"foreign must be block or ignore, got {self.foreign!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

@@ -14,16 +14,16 @@ from typing import Any
 import click
 import trio
 
-from slicer import __version__
-from slicer.config import Config, load
-from slicer.errors import SlicerError
-from slicer.gpu import open_backend
-from slicer.journal import Journal, JournalError, StateDirLocked, StateLock
-from slicer.listen import open_listener
-from slicer.notify import sd_notify, watchdog_interval
-from slicer.park import CheckpointParker, ToolRunner
-from slicer.server import Server
-from slicer.state import Limits, SlicerState
+from gpu_slicer.slicer import __version__
+from gpu_slicer.slicer.config import Config, load
+from gpu_slicer.slicer.errors import SlicerError
+from gpu_slicer.slicer.gpu import open_backend
+from gpu_slicer.slicer.journal import Journal, JournalError, StateDirLocked, StateLock
+from gpu_slicer.slicer.listen import open_listener
+from gpu_slicer.slicer.notify import sd_notify, watchdog_interval
+from gpu_slicer.slicer.park import CheckpointParker, ToolRunner
+from gpu_slicer.slicer.server import Server
+from gpu_slicer.slicer.state import Limits, SlicerState
 
 log = logging.getLogger("slicer")
 
@@ -101,7 +101,11 @@ async def _watchdog(every: float) -> None:
 @click.option("--socket-group", help="Group owning the socket.")
 @click.option("--allow-group", help="Members may take turns of any workload.")
 @click.option("--state-dir", help="Directory for the restart journal.")
-@click.option("--gpu-backend", type=click.Choice(["nvml", "fake"]))
+@click.option(
+    "--gpu-backend",
+    help="nvml (default), a registered plugin such as fake (the test doubles' fake GPU), "
+    "or module:attribute.",
+)
 @click.option("--cuda-checkpoint", help="Path of the cuda-checkpoint executable.")
 @click.option("--park-timeout", type=float)
 @click.option("--restore-timeout", type=float)

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import trio
 
-from slicer.demo_proc import (
+from gpu_slicer.slicer.demo_proc import (
     TOOL,
     DemoError,
     Interrupted,
@@ -72,7 +72,7 @@ from slicer.demo_proc import (
     start_daemon,
     watch,
 )
-from slicer.demo_report import build_report, render
+from gpu_slicer.slicer.demo_report import build_report, render
 from stubs.fakegpu import Ledger, parse_size
 
 FIRST_GRANT_TIMEOUT_S = 30.0
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(f"--bandwidth: {e}")
     if opts.real:
-        from slicer.demo_real import missing
+        from gpu_slicer.slicer.demo_real import missing
 
         lacking = missing(opts.model)
         if lacking:
@@ -283,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
 def _execute(opts: argparse.Namespace, base: Path) -> int:
     loop = opts.mode == "loop"
     if loop:
-        from slicer.demo_loop import run_loop
-        from slicer.demo_loop_report import build_loop_report, render_loop, write_png
+        from gpu_slicer.slicer.demo_loop import run_loop
+        from gpu_slicer.slicer.demo_loop_report import build_loop_report, render_loop, write_png
 
         runner: Runner = run_loop
     else:

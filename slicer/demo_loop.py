@@ -33,8 +33,8 @@ from pathlib import Path
 
 import trio
 
-from slicer.demo_client import sample_revisions
-from slicer.demo_proc import (
+from gpu_slicer.slicer.demo_client import sample_revisions
+from gpu_slicer.slicer.demo_proc import (
     DemoError,
     Procs,
     Recording,
@@ -117,7 +117,7 @@ async def run_loop(opts: argparse.Namespace, base: Path, procs: Procs, rec: Reco
         await trio.sleep(0.05)  # let WATCH subscribe before the first REGISTER
         vport, dport = free_port(), free_port()
         ready = base / "sampler.ready"
-        argv = [sys.executable, "-m", "launcher.main", "vllm", "--workload", "sampler"]
+        argv = [sys.executable, "-m", "gpu_slicer.launcher.main", "vllm", "--workload", "sampler"]
         boot = REAL_BOOT_TIMEOUT_S if opts.real else BOOT_TIMEOUT_S
         argv += ["--socket", sock, "--ready-file", str(ready), "--boot-timeout", f"{boot:g}"]
         argv += ["--health-timeout", f"{boot:g}", "--", *vllm_command(opts, vport)]
@@ -125,7 +125,7 @@ async def run_loop(opts: argparse.Namespace, base: Path, procs: Procs, rec: Reco
         await _until("the vLLM replica's boot", ready.exists, boot + 10, procs, base)
 
         dlog = base / "dispatcher.log"
-        argv = [sys.executable, "-m", "dispatcher.main", "--workload", "sampler"]
+        argv = [sys.executable, "-m", "gpu_slicer.dispatcher.main", "--workload", "sampler"]
         argv += ["--replica", f"http://127.0.0.1:{vport}", "--listen", f"127.0.0.1:{dport}"]
         argv += ["--socket", sock, "--state-dir", str(base / "dispatch")]
         argv += ["--turn-seconds", "1", "--turn-grace", "2", "--concurrency", "64"]

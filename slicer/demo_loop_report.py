@@ -11,10 +11,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from slicer.demo_loop import describe
-from slicer.demo_png import Bar, write_chart
-from slicer.demo_proc import Recording
-from slicer.demo_report import (
+from gpu_slicer.slicer.demo_loop import describe
+from gpu_slicer.slicer.demo_png import Bar, write_chart
+from gpu_slicer.slicer.demo_proc import Recording
+from gpu_slicer.slicer.demo_report import (
     _ms_stats,
     analyze,
     common_problems,

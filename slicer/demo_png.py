@@ -13,7 +13,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slicer.demo_font import GLYPH_H, pixels, text_width
+from gpu_slicer.slicer.demo_font import GLYPH_H, pixels, text_width
 
 RGB = tuple[int, int, int]
 Bar = tuple[float, float, str]  # start s, end s, kind: "held" | "parking" | "restoring"

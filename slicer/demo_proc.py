@@ -18,9 +18,9 @@ from typing import Any
 
 import trio
 
-import proto
-from slicer.client import AsyncSlicer, ClientError
-from slicer.demo_client import ClientReport
+from gpu_slicer import proto
+from gpu_slicer.slicer.client import AsyncSlicer, ClientError
+from gpu_slicer.slicer.demo_client import ClientReport
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "stubs" / "cuda-checkpoint"
@@ -112,7 +112,7 @@ async def start_daemon(
     with trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         await notify.bind(notify_path)
         procs.daemon = spawn(
-            [sys.executable, "-m", "slicer.daemon", *args],
+            [sys.executable, "-m", "gpu_slicer.slicer.daemon", *args],
             {**env, "NOTIFY_SOCKET": notify_path},
             base / "slicerd.log",
         )

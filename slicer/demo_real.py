@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 
-from slicer.gpu import NvmlBackend
+from gpu_slicer.slicer.gpu import NvmlBackend
 
 
 def _nvml() -> str | None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from stubs.fakegpu import Ledger, format_size
 
 if TYPE_CHECKING:
-    from slicer.demo_proc import Recording
+    from gpu_slicer.slicer.demo_proc import Recording
 
 COLUMNS = 80
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from slicer.errors import RequestError
+from gpu_slicer.slicer.errors import RequestError
 
 ConnId = int
 

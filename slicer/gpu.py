@@ -1,17 +1,24 @@
-"""GPU inspection backends: NVML (the real driver) and the fake GPU ledger (stubs).
+"""GPU inspection backends: NVML (the real driver) built in, any other one a plugin.
 
-Both answer the same three questions: which GPUs exist, how much memory is free, and how
+A plugin is found by name among the entry points of group ``gpu_slicer.gpu_backends``
+(the test doubles' distribution registers ``fake``, the fake GPU ledger), or given as
+``module:attribute``; either way it is a callable taking no argument that returns a
+`GpuBackend`. The daemon never imports a backend by name.
+
+Every backend answers the same three questions: which GPUs exist, how much memory is free, and how
 much device memory each process holds on a GPU. Every park is verified through these, never
 through a workload's word.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from importlib.metadata import entry_points
+from typing import Any, Protocol, cast
 
-from slicer.errors import GpuBackendError
+from gpu_slicer.slicer.errors import GpuBackendError
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,39 +44,6 @@ class GpuBackend(Protocol):
     def processes(self, index: int) -> dict[int, int]:
         """Device bytes per pid holding a context on GPU `index`."""
         ...
-
-
-class FakeBackend:
-    """Reads the ledger of `stubs.fakegpu` the way NVML reads the driver."""
-
-    def __init__(self, directory: str | None = None) -> None:
-        try:
-            from stubs.fakegpu import Ledger
-        except ImportError as e:  # pragma: no cover - the stubs ship with the package
-            raise GpuBackendError(f"fake GPU backend unavailable: {e}") from e
-        try:
-            self._ledger = Ledger(directory)
-            self._ledger.gpus()
-        except Exception as e:
-            raise GpuBackendError(
-                f"fake GPU ledger unusable ({e}); run `python -m stubs.fakegpu init` "
-                "with FAKEGPU_DIR set"
-            ) from e
-
-    def devices(self) -> list[Device]:
-        """All GPUs in the ledger."""
-        return [Device(g.index, g.uuid, g.total) for g in self._ledger.gpus()]
-
-    def free_bytes(self, index: int) -> int:
-        """Free bytes of GPU `index` per the ledger."""
-        for g in self._ledger.gpus():
-            if g.index == index:
-                return int(g.free)
-        raise GpuBackendError(f"no GPU {index} in the ledger")
-
-    def processes(self, index: int) -> dict[int, int]:
-        """On-device bytes per live pid on GPU `index`."""
-        return {p.pid: int(p.on_device) for p in self._ledger.processes(index) if p.on_device}
 
 
 class NvmlBackend:
@@ -119,10 +93,58 @@ class NvmlBackend:
         return out
 
 
+ENTRY_POINT_GROUP = "gpu_slicer.gpu_backends"
+
+
+def backend_names() -> list[str]:
+    """`nvml` and every backend registered under `ENTRY_POINT_GROUP`, sorted."""
+    found = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return ["nvml", *sorted(found - {"nvml"})]
+
+
+def check_backend_name(kind: str) -> None:
+    """Raise `GpuBackendError` unless `kind` names a backend `open_backend` can try."""
+    if kind == "nvml" or ":" in kind or kind in backend_names():
+        return
+    raise GpuBackendError(
+        f"unknown gpu backend {kind!r}: one of {', '.join(backend_names())}, or module:attribute"
+        + (
+            " (`fake` is registered by the test doubles: `pip install -e stubs` in a checkout)"
+            if kind == "fake"
+            else ""
+        )
+    )
+
+
+def _load_plugin(kind: str) -> Any:
+    if ":" in kind:
+        module, _, attr = kind.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise GpuBackendError(f"gpu backend {kind!r} cannot be loaded: {e}") from e
+    for ep in entry_points(group=ENTRY_POINT_GROUP, name=kind):
+        try:
+            return ep.load()
+        except (ImportError, AttributeError) as e:
+            raise GpuBackendError(f"gpu backend {kind!r} ({ep.value}) cannot be loaded: {e}") from e
+    check_backend_name(kind)
+    raise GpuBackendError(f"unknown gpu backend {kind!r}")  # pragma: no cover - checked above
+
+
 def open_backend(kind: str) -> GpuBackend:
-    """The backend named by config `gpu_backend` (`nvml` or `fake`)."""
+    """The backend named by config `gpu_backend`: `nvml`, a registered plugin or
+    `module:attribute`; a `GpuBackendError` naming what is wrong otherwise."""
     if kind == "nvml":
         return NvmlBackend()
-    if kind == "fake":
-        return FakeBackend()
-    raise GpuBackendError(f"unknown gpu backend {kind!r} (nvml or fake)")
+    factory = _load_plugin(kind)
+    try:
+        backend = factory()
+    except GpuBackendError:
+        raise
+    except Exception as e:
+        raise GpuBackendError(f"gpu backend {kind!r} failed to start: {e}") from e
+    for name in ("devices", "free_bytes", "processes"):
+        if not callable(getattr(backend, name, None)):
+            raise GpuBackendError(f"gpu backend {kind!r} has no method {name}()")
+    return cast(GpuBackend, backend)

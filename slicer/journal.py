@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slicer.errors import SlicerError
+from gpu_slicer.slicer.errors import SlicerError
 
 VERSION = 1
 

@@ -10,7 +10,7 @@ import stat
 
 import trio
 
-from slicer.errors import ConfigError
+from gpu_slicer.slicer.errors import ConfigError
 
 SD_LISTEN_FDS_START = 3
 

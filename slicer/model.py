@@ -44,8 +44,8 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from slicer.effects import ConnId
-from slicer.errors import IllegalTransition
+from gpu_slicer.slicer.effects import ConnId
+from gpu_slicer.slicer.errors import IllegalTransition
 
 Ident = tuple[int, int]  # (pid, start time in clock ticks): a process, never a pid alone
 

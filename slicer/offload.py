@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from slicer.client import Slicer, Turn
+from gpu_slicer.slicer.client import Slicer, Turn
 
 
 @dataclass(frozen=True)

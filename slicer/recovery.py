@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import trio
 
-from slicer import procs
-from slicer.park import CheckpointParker, Outcome
+from gpu_slicer.slicer import procs
+from gpu_slicer.slicer.park import CheckpointParker, Outcome
 
 Ident = tuple[int, int]
 POLL = 0.1  # waiting for a leftover tool, or for a transient driver state

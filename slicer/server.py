@@ -28,11 +28,11 @@ from typing import Any
 
 import trio
 
-import proto
-from proto import Err, ErrorCode, Fault, Ok, Waiting
-from slicer import __version__, census, errors, procs, recovery
-from slicer.config import Config
-from slicer.effects import (
+from gpu_slicer import proto
+from gpu_slicer.proto import Err, ErrorCode, Fault, Ok, Waiting
+from gpu_slicer.slicer import __version__, census, errors, procs, recovery
+from gpu_slicer.slicer.config import Config
+from gpu_slicer.slicer.effects import (
     AskPark,
     Deny,
     Effect,
@@ -49,10 +49,10 @@ from slicer.effects import (
     SendWaiting,
     Verify,
 )
-from slicer.gpu import GpuBackend
-from slicer.journal import Journal, JournalError
-from slicer.park import CheckpointParker, Outcome
-from slicer.state import ProcessInfo, SlicerState
+from gpu_slicer.slicer.gpu import GpuBackend
+from gpu_slicer.slicer.journal import Journal, JournalError
+from gpu_slicer.slicer.park import CheckpointParker, Outcome
+from gpu_slicer.slicer.state import ProcessInfo, SlicerState
 
 log = logging.getLogger("slicer.server")
 

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from slicer import errors
-from slicer.effects import (
+from gpu_slicer.slicer import errors
+from gpu_slicer.slicer.effects import (
     AskPark,
     ConnId,
     Deny,
@@ -33,7 +33,7 @@ from slicer.effects import (
     SendWaiting,
     Verify,
 )
-from slicer.model import (
+from gpu_slicer.slicer.model import (
     RESIDENT,
     Conn,
     Gpu,

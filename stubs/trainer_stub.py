@@ -29,7 +29,7 @@ from typing import Protocol
 
 import httpx
 
-from slicer.client import ClientError, Faulted, Slicer
+from gpu_slicer.slicer.client import ClientError, Faulted, Slicer
 from stubs.fakegpu import Ledger, parse_size
 
 

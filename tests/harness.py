@@ -23,8 +23,8 @@ from typing import Any
 
 import trio
 
-import proto
-from slicer.client import AsyncSlicer
+from gpu_slicer import proto
+from gpu_slicer.slicer.client import AsyncSlicer
 from stubs.fakegpu import Ledger, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ class Stack:
             self.log = self.base / "slicerd.log"
             with open(self.log, "ab") as logf:
                 self.proc = await trio.lowlevel.open_process(
-                    [sys.executable, "-m", "slicer.daemon", *self.args],
+                    [sys.executable, "-m", "gpu_slicer.slicer.daemon", *self.args],
                     env=env,
                     stdout=logf,
                     stderr=logf,

@@ -32,7 +32,7 @@ import pytest
 import trio
 from click.testing import CliRunner, Result
 
-from slicer.cli import duration, format_event, main, render_table, status_text
+from gpu_slicer.slicer.cli import duration, format_event, main, render_table, status_text
 from tests.harness import Stack, running_stack, workload
 
 HINT = "is slicerd running? (systemctl status slicer)"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import proto
-from slicer.client import ClientError, Faulted, Slicer, Unreachable
+from gpu_slicer import proto
+from gpu_slicer.slicer.client import ClientError, Faulted, Slicer, Unreachable
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import trio
 
-from slicer.client import AsyncSlicer, Unreachable
+from gpu_slicer.slicer.client import AsyncSlicer, Unreachable
 from tests.harness import GiB, Stack, running_stack, workload
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from slicer.config import Config, load
-from slicer.errors import ConfigError
+from gpu_slicer.slicer.config import Config, load
+from gpu_slicer.slicer.errors import ConfigError
 from stubs.fakegpu import Ledger
 from tests.harness import ROOT, TOOL
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 ACTIVATE = (
     "import os, sys; os.dup2(int(sys.argv[1]), 3); "
     "os.environ['LISTEN_PID'] = str(os.getpid()); os.environ['LISTEN_FDS'] = '1'; "
-    "os.execv(sys.executable, [sys.executable, '-m', 'slicer.daemon', *sys.argv[2:]])"
+    "os.execv(sys.executable, [sys.executable, '-m', 'gpu_slicer.slicer.daemon', *sys.argv[2:]])"
 )
 
 
@@ -98,7 +98,7 @@ async def test_bound_socket_is_removed_on_sigterm_and_refused_while_live(tmp_pat
     with trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         await notify.bind(notify_path)
         env = _env(tmp_path, notify_path)
-        cmd = [sys.executable, "-m", "slicer.daemon", *_args(tmp_path, sock)]
+        cmd = [sys.executable, "-m", "gpu_slicer.slicer.daemon", *_args(tmp_path, sock)]
         proc = subprocess.Popen(cmd, env=env)
         try:
             await _expect(notify, b"READY=1")
@@ -135,7 +135,7 @@ async def test_stale_socket_file_is_replaced(tmp_path: Path) -> None:
     notify_path = str(tmp_path / "notify")
     with trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         await notify.bind(notify_path)
-        cmd = [sys.executable, "-m", "slicer.daemon", *_args(tmp_path, sock)]
+        cmd = [sys.executable, "-m", "gpu_slicer.slicer.daemon", *_args(tmp_path, sock)]
         proc = subprocess.Popen(cmd, env=_env(tmp_path, notify_path))
         try:
             await _expect(notify, b"READY=1")
@@ -150,7 +150,7 @@ async def test_nvml_without_a_driver_is_a_clear_error(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "slicer.daemon",
+            "gpu_slicer.slicer.daemon",
             "--gpu-backend",
             "nvml",
             "--socket",
@@ -189,7 +189,7 @@ def test_config_file_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.Mon
         ("bogus = 1\n", "unknown key 'bogus'"),
         ("park_timeout = -1\n", "park_timeout must be in"),
         ('park_timeout = "soon"\n', "park_timeout: bad value"),
-        ('gpu_backend = "cuda"\n', "gpu_backend must be nvml or fake"),
+        ('gpu_backend = "cuda"\n', "gpu_backend: unknown gpu backend 'cuda': one of nvml, fake"),
         ('foreign = "maybe"\n', "foreign must be block or ignore"),
         ("max_queue = 0\n", "max_queue must be >= 1"),
         ("park_timeout = \n", "cannot read config"),
@@ -206,7 +206,7 @@ async def test_bad_config_stops_the_daemon_before_it_listens(tmp_path: Path) -> 
     conf = tmp_path / "slicer.toml"
     conf.write_text("park_timeout = 0\n")
     res = await trio.run_process(
-        [sys.executable, "-m", "slicer.daemon", "--config", str(conf)],
+        [sys.executable, "-m", "gpu_slicer.slicer.daemon", "--config", str(conf)],
         check=False,
         capture_stderr=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},

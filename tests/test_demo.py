@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from slicer.demo_font import GLYPH_H, GLYPH_W, glyph, text_width
-from slicer.demo_png import BACKGROUND, Canvas, encode_png
+from gpu_slicer.slicer.demo_font import GLYPH_H, GLYPH_W, glyph, text_width
+from gpu_slicer.slicer.demo_png import BACKGROUND, Canvas, encode_png
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = "import sys; from slicer.demo import main; sys.exit(main(sys.argv[1:]))"
+RUN = "import sys; from gpu_slicer.slicer.demo import main; sys.exit(main(sys.argv[1:]))"
 
 
 def run_demo(*args: str, timeout: float = 45) -> tuple[int, dict[str, Any], str, float]:
@@ -145,7 +145,7 @@ def test_loop_demo_serves_every_request_with_its_revision(tmp_path: Path) -> Non
 @pytest.mark.integration
 def test_real_mode_says_what_is_missing_and_starts_nothing(tmp_path: Path) -> None:
     pytest.importorskip("pynvml")
-    from slicer.demo_real import missing
+    from gpu_slicer.slicer.demo_real import missing
 
     lacking = missing(None)
     assert any(line.startswith("--model") for line in lacking)
@@ -206,7 +206,7 @@ def test_font_labels_draw_where_their_glyphs_say() -> None:
 
 
 def test_client_counts_only_results_of_exactly_their_revision() -> None:
-    from slicer.demo_client import ClientReport, Outcome, check
+    from gpu_slicer.slicer.demo_client import ClientReport, Outcome, check
 
     def done(revision: str, *choices: list[str]) -> dict[str, Any]:
         wv = [{"weight_versions": [{"version": v} for v in c]} for c in choices]

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 
 def replica_argv(stack: Stack, port: int, park: str, *stub: str) -> list[str]:
     """The launcher running the vLLM stub as workload "v" on `port` (`stub`: its flags)."""
-    argv = [sys.executable, "-m", "launcher.main", "vllm", "--workload", "v"]
+    argv = [sys.executable, "-m", "gpu_slicer.launcher.main", "vllm", "--workload", "v"]
     argv += ["--socket", stack.socket, "--park", park, "--ready-file", str(stack.base / "ready")]
     argv += ["--", sys.executable, "-m", "stubs.vllm_stub", "serve", "m", "--port", str(port)]
     return [*argv, "--fake-workload", "v", "--tokens-per-s", "20000", *stub]
@@ -52,7 +52,7 @@ async def dispatcher(
 ) -> AsyncIterator[tuple[Proc, httpx.AsyncClient]]:
     """`slicer-dispatch` for workload "v" with its state in `stack.base / state`."""
     port = free_port()
-    argv = [sys.executable, "-m", "dispatcher.main", "--workload", "v", "--replica", url]
+    argv = [sys.executable, "-m", "gpu_slicer.dispatcher.main", "--workload", "v", "--replica", url]
     argv += ["--socket", stack.socket, "--state-dir", str(stack.base / state)]
     argv += ["--listen", f"127.0.0.1:{port}", *flags]
     async with (

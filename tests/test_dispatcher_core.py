@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher.core import (
+from gpu_slicer.dispatcher.core import (
     WEIGHT_CHECKS,
     TurnPlan,
     commit_ok,
@@ -21,8 +21,8 @@ from dispatcher.core import (
     result_ok,
     weight_versions,
 )
-from dispatcher.errors import BadRequest
-from dispatcher.store import Pending
+from gpu_slicer.dispatcher.errors import BadRequest
+from gpu_slicer.dispatcher.store import Pending
 
 
 def _pending(revision: str = "r2", n: int | None = None, kind: str = "completion") -> Pending:

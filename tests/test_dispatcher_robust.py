@@ -19,10 +19,10 @@ import psutil
 import pytest
 import trio
 
-from dispatcher.checkpoint import check_checkpoint_dir
-from dispatcher.errors import BadRequest, StateInUse
-from dispatcher.owner import LOCK_NAME, StateLock
-from dispatcher.store import DB_NAME, Store
+from gpu_slicer.dispatcher.checkpoint import check_checkpoint_dir
+from gpu_slicer.dispatcher.errors import BadRequest, StateInUse
+from gpu_slicer.dispatcher.owner import LOCK_NAME, StateLock
+from gpu_slicer.dispatcher.store import DB_NAME, Store
 from tests.harness import Stack, running_stack
 from tests.procs import free_port, spawn
 from tests.test_dispatcher import dispatcher, publish, replica, result_of, status, stop, versions
@@ -366,7 +366,7 @@ async def test_a_second_dispatcher_on_the_same_state_dir_is_refused_naming_the_o
             state = stack.base / "dstate"
             async with dispatcher(stack, NO_REPLICA) as (d, http):
                 await publish(stack, http, "r1")
-                argv = [sys.executable, "-m", "dispatcher.main", "--workload", "v"]
+                argv = [sys.executable, "-m", "gpu_slicer.dispatcher.main", "--workload", "v"]
                 argv += ["--replica", NO_REPLICA, "--socket", stack.socket]
                 argv += ["--state-dir", str(state), "--listen", f"127.0.0.1:{free_port()}"]
                 async with spawn(stack, "dispatcher-2", argv) as d2:

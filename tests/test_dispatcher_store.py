@@ -12,8 +12,14 @@ from typing import Any
 
 import pytest
 
-from dispatcher.errors import BadRequest, NotFound, StoreError, StoreFull, UnknownRevision
-from dispatcher.store import Store
+from gpu_slicer.dispatcher.errors import (
+    BadRequest,
+    NotFound,
+    StoreError,
+    StoreFull,
+    UnknownRevision,
+)
+from gpu_slicer.dispatcher.store import Store
 
 
 @pytest.fixture

@@ -20,12 +20,12 @@ import httpx
 import pytest
 import trio
 
-from dispatcher.errors import ReplicaError
-from dispatcher.serve import NO_WEIGHT_VERSIONS_ERROR, TurnConfig, TurnState
-from dispatcher.store import Store
-from dispatcher.turns import TurnLoop
-from dispatcher.vllm import Replica
-from slicer.client import Turn
+from gpu_slicer.dispatcher.errors import ReplicaError
+from gpu_slicer.dispatcher.serve import NO_WEIGHT_VERSIONS_ERROR, TurnConfig, TurnState
+from gpu_slicer.dispatcher.store import Store
+from gpu_slicer.dispatcher.turns import TurnLoop
+from gpu_slicer.dispatcher.vllm import Replica
+from gpu_slicer.slicer.client import Turn
 
 
 def _err(status: int, message: str) -> httpx.Response:

@@ -70,7 +70,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-import proto
+from gpu_slicer import proto
 from stubs.fakegpu import FakeGpuError, Ledger
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -169,7 +169,7 @@ class Daemon:
             args = [
                 sys.executable,
                 "-m",
-                "slicer.daemon",
+                "gpu_slicer.slicer.daemon",
                 "--socket",
                 self.socket,
                 "--gpu-backend",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from slicer.journal import Journal, JournalError
+from gpu_slicer.slicer.journal import Journal, JournalError
 from tests.harness import GiB, Stack, running_stack, workload
 
 pytestmark = pytest.mark.integration
@@ -143,7 +143,7 @@ async def test_an_unreadable_journal_gives_one_line_and_discard_starts_anyway() 
             await stack.stop()
             path = stack.base / "state" / "journal.json"
             path.write_bytes(b'{"version": 1, "workloads": [{"name": "a", "g' + b"\0" * 300)
-            cmd = [sys.executable, "-m", "slicer.daemon", *stack.args]
+            cmd = [sys.executable, "-m", "gpu_slicer.slicer.daemon", *stack.args]
             res = await trio.run_process(cmd, env=stack.env, check=False, capture_stderr=True)
             err = res.stderr.decode()
             assert res.returncode == 78, err  # slicer.service: RestartPreventExitStatus=78
@@ -176,7 +176,7 @@ def test_a_save_is_whole_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPa
             return real_write(fd, bytes(data[:5]))  # a short write, then the disk is full
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("slicer.journal.os.write", short_then_full)
+    monkeypatch.setattr("gpu_slicer.slicer.journal.os.write", short_then_full)
     with pytest.raises(JournalError, match="No space left on device"):
         j.save([{**GOOD, "name": "b"}])
     monkeypatch.undo()
@@ -242,7 +242,7 @@ async def test_an_unusable_state_dir_is_one_line_and_no_restart(state_dir: str) 
             await stack.stop()
             args = list(stack.args)
             args[args.index("--state-dir") + 1] = state_dir
-            cmd = [sys.executable, "-m", "slicer.daemon", *args]
+            cmd = [sys.executable, "-m", "gpu_slicer.slicer.daemon", *args]
             res = await trio.run_process(cmd, env=stack.env, check=False, capture_stderr=True)
             err = res.stderr.decode()
             assert res.returncode == 78, err

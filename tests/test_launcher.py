@@ -21,8 +21,8 @@ import psutil
 import pytest
 import trio
 
-import proto
-from slicer.client import ClientError
+from gpu_slicer import proto
+from gpu_slicer.slicer.client import ClientError
 from tests.harness import Stack, running_stack, state_of, workload
 from tests.procs import Proc, free_port, spawn
 
@@ -41,7 +41,7 @@ async def launcher(
     socket_path: str | None = None,
 ) -> AsyncIterator[Proc]:
     """Start `slicer-launch MODE` for `command`; on the way out, kill whatever is left."""
-    argv = [sys.executable, "-m", "launcher.main", mode, "--workload", name]
+    argv = [sys.executable, "-m", "gpu_slicer.launcher.main", mode, "--workload", name]
     argv += ["--socket", socket_path or stack.socket, *opts, "--", *command]
     async with spawn(stack, f"launcher {name}", argv) as launched:
         yield launched
@@ -104,7 +104,7 @@ def group_alive(pgid: int) -> list[int]:
 
 REPORT = """
 import json, os, sys
-from slicer.client import Slicer
+from gpu_slicer.slicer.client import Slicer
 with Slicer() as s:
     st = s.status()
 w = [w for w in st["workloads"] if w["name"] == os.environ["SLICER_WORKLOAD"]][0]
@@ -153,7 +153,7 @@ async def test_trainer_under_launcher_takes_turns_with_another_trainer() -> None
 # it stays resident and idle), then waits
 FILL_AND_WAIT = """
 import os, sys, time
-from slicer.client import Slicer
+from gpu_slicer.slicer.client import Slicer
 from stubs.fakegpu import Ledger
 with Slicer.from_env() as s, s.turn():
     Ledger().alloc(os.getpid(), 0, 30 << 30, tag="weights", workload=s.workload)

@@ -15,7 +15,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch = pytest.importorskip("torch")
 
-from slicer.offload import Moved, Offloader
+from gpu_slicer.slicer.offload import Moved, Offloader
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import trio
 
-from slicer.client import ClientError
+from gpu_slicer.slicer.client import ClientError
 from tests.harness import GiB, Stack, running_stack
 
 pytestmark = pytest.mark.integration

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proto import (
+from gpu_slicer.proto import (
     MAX_LINE,
     MAX_SERVER_LINE,
     NAME_RE,

@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proto import (
+from gpu_slicer.proto import (
     MAX_LINE,
     NAME_RE,
     PARKED_MAX_LIMIT,

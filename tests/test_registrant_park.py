@@ -19,8 +19,8 @@ import httpx
 import pytest
 import trio
 
-import proto
-from slicer.client import AsyncSlicer, ClientError
+from gpu_slicer import proto
+from gpu_slicer.slicer.client import AsyncSlicer, ClientError
 from tests.harness import GiB, Stack, running_stack, workload
 from tests.procs import Proc, spawn
 from tests.test_dispatcher import (

@@ -8,7 +8,7 @@ import socket
 import pytest
 import trio
 
-from slicer.client import ClientError
+from gpu_slicer.slicer.client import ClientError
 from tests.harness import GiB, cc_log, running_stack, workload
 
 pytestmark = pytest.mark.integration
@@ -230,7 +230,7 @@ async def test_limits_answer_err_limit_and_change_nothing() -> None:
         import tempfile
         from pathlib import Path
 
-        import proto
+        from gpu_slicer import proto
 
         conf = Path(tempfile.mkdtemp()) / "slicer.toml"
         conf.write_text("max_connections = 5\nmax_workloads = 1\nmax_queue = 1\n")

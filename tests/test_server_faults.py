@@ -14,8 +14,8 @@ import psutil
 import pytest
 import trio
 
-import proto
-from slicer.client import AsyncSlicer, ClientError, Unreachable
+from gpu_slicer import proto
+from gpu_slicer.slicer.client import AsyncSlicer, ClientError, Unreachable
 from tests.harness import GiB, cc_log, running_stack, state_of, workload
 
 pytestmark = pytest.mark.integration

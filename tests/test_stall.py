@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import trio
 
-import proto
-from slicer.client import ClientError
+from gpu_slicer import proto
+from gpu_slicer.slicer.client import ClientError
 from tests.harness import GiB, Stack, running_stack
 
 pytestmark = pytest.mark.integration

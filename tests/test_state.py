@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from slicer import errors
-from slicer.effects import (
+from gpu_slicer.slicer import errors
+from gpu_slicer.slicer.effects import (
     AskPark,
     Deny,
     Effect,
@@ -34,8 +34,8 @@ from slicer.effects import (
     SendWaiting,
     Verify,
 )
-from slicer.model import TRANSITIONS, Workload, WState
-from slicer.state import Limits, ProcessInfo, SlicerState
+from gpu_slicer.slicer.model import TRANSITIONS, Workload, WState
+from gpu_slicer.slicer.state import Limits, ProcessInfo, SlicerState
 
 GPUS = [(0, "GPU-aaaa-0000"), (1, "GPU-bbbb-1111")]
 GIB = 1024**3

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from slicer import errors
-from slicer.state import SlicerState
+from gpu_slicer.slicer import errors
+from gpu_slicer.slicer.state import SlicerState
 from tests.test_state import (
     D1,
     D2,

@@ -151,9 +151,9 @@ def exec_argv(unit: Path, instance: str = "r0") -> list[str]:
 
 
 def commands() -> dict[str, click.Command]:
-    from dispatcher.main import main as dispatch
-    from launcher.main import main as launch
-    from slicer.daemon import main as slicerd
+    from gpu_slicer.dispatcher.main import main as dispatch
+    from gpu_slicer.launcher.main import main as launch
+    from gpu_slicer.slicer.daemon import main as slicerd
 
     return {"slicerd": slicerd, "slicer-launch": launch, "slicer-dispatch": dispatch}
 

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 import pytest
 import trio
 
-from slicer.client import ClientError, Slicer, Turn, Unreachable, socket_path
-from slicer.config import DEFAULT_SOCKET
+from gpu_slicer.slicer.client import ClientError, Slicer, Turn, Unreachable, socket_path
+from gpu_slicer.slicer.config import DEFAULT_SOCKET
 from tests.harness import GiB, Stack, running_stack, workload
 
 pytestmark = pytest.mark.integration
@@ -185,8 +185,8 @@ def test_slicer_imports_without_torch() -> None:
     code = (
         "import sys\n"
         "sys.modules['torch'] = None  # any `import torch` now raises ImportError\n"
-        "import slicer, slicer.client, slicer.offload\n"
-        "o = slicer.offload.Offloader(object())\n"
+        "import gpu_slicer.slicer, gpu_slicer.slicer.client, gpu_slicer.slicer.offload\n"
+        "o = gpu_slicer.slicer.offload.Offloader(object())\n"
         "assert not o.offloaded\n"
         "print('ok')\n"
     )
@@ -210,7 +210,7 @@ def _torch() -> Any:
 
 async def test_cooperative_turn_offloads_before_release_exceptions_included() -> None:
     torch = _torch()
-    from slicer.offload import Offloader, cooperative_turn
+    from gpu_slicer.slicer.offload import Offloader, cooperative_turn
 
     class Mirrored(Offloader):
         """An Offloader whose model also stands for 48 GiB on the fake GPU: the ledger

@@ -160,7 +160,7 @@ async def dispatcher(
     """``slicer-dispatch`` for workload "v" through the proxy, state kept across lives."""
     px.life = life
     port = free_port()
-    argv = [sys.executable, "-m", "dispatcher.main", "--workload", "v", "--replica", url]
+    argv = [sys.executable, "-m", "gpu_slicer.dispatcher.main", "--workload", "v", "--replica", url]
     argv += ["--socket", stack.socket, "--state-dir", str(stack.base / "dstate")]
     argv += ["--listen", f"127.0.0.1:{port}", "--weight-check", "label"]
     argv += ["--turn-seconds", "1", "--turn-grace", "2", "--concurrency", "4"]
@@ -276,7 +276,7 @@ async def test_dispatcher_and_launcher_around_a_real_vllm(models: Path) -> None:
             env = sv.real_env(stack.env, cache)
             port = free_port()
             ready = stack.base / "ready"
-            argv = [sys.executable, "-m", "launcher.main", "vllm", "--workload", "v"]
+            argv = [sys.executable, "-m", "gpu_slicer.launcher.main", "vllm", "--workload", "v"]
             argv += ["--socket", stack.socket, "--ready-file", str(ready)]
             argv += ["--no-sleep-mode-flag", "--boot-timeout", "900", "--health-timeout", "900"]
             argv += ["--", *sv.real_argv(models / "base", port)]

@@ -309,12 +309,29 @@ class Run:
     def define_units(self) -> None:
         py = sys.executable
         sock = self.stack.socket
-        launcher = [py, "-m", "launcher.main", "vllm", "--workload", "v", "--socket", sock]
+        launcher = [
+            py,
+            "-m",
+            "gpu_slicer.launcher.main",
+            "vllm",
+            "--workload",
+            "v",
+            "--socket",
+            sock,
+        ]
         launcher += ["--park", "cooperative", "--ready-file", str(self.base / "ready")]
         launcher += ["--boot-timeout", "60", "--health-timeout", "60", "--kill-grace", "3"]
         launcher += ["--", py, "-m", "stubs.vllm_stub", "serve", "m", "--port", str(self.vport)]
         launcher += ["--fake-workload", "v", "--tokens-per-s", "20000"]
-        dispatcher = [py, "-m", "dispatcher.main", "--workload", "v", "--replica", self.vurl]
+        dispatcher = [
+            py,
+            "-m",
+            "gpu_slicer.dispatcher.main",
+            "--workload",
+            "v",
+            "--replica",
+            self.vurl,
+        ]
         dispatcher += ["--socket", sock, "--state-dir", str(self.dstate)]
         dispatcher += ["--listen", f"127.0.0.1:{self.dport}", "--turn-seconds", "0.5"]
         dispatcher += ["--turn-grace", "1", "--concurrency", "8"]

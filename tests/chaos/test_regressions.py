@@ -59,7 +59,7 @@ async def test_a_request_past_its_deadline_fails_even_while_the_state_disk_is_fu
     with trio.fail_after(60), tmpfs("4m") as state:
         async with running_stack() as stack:
             port = free_port()
-            argv = [sys.executable, "-m", "dispatcher.main", "--workload", "v"]
+            argv = [sys.executable, "-m", "gpu_slicer.dispatcher.main", "--workload", "v"]
             argv += ["--replica", "http://127.0.0.1:9", "--socket", stack.socket]
             argv += ["--state-dir", str(state), "--listen", f"127.0.0.1:{port}"]
             argv += ["--sample-deadline", "3"]
