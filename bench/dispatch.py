@@ -36,12 +36,9 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -56,9 +53,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make slicer/stubs importable
     sys.path.insert(0, str(ROOT))
 
-from bench.slicerd_proc import TOOL, die_with_parent  # noqa: E402
 from gpu_slicer.slicer.client import AsyncSlicer  # noqa: E402
-from stubs.fakegpu import Ledger, parse_size  # noqa: E402
+from stubs.measure import percentile  # noqa: E402
+from stubs.proc import die_with_parent, free_port, log_tail  # noqa: E402
+from stubs.stack import Stack, running_stack_sync, vllm_stub_argv  # noqa: E402
 
 TARGETS = {"added_p50_ms": 2.0, "throughput_ratio": 0.8, "bytes_per_token": 8.0}
 TOKENS_PER_S = 2000  # the stub's pace: a probe (max_tokens 1) generates for 0.5 ms
@@ -68,20 +66,13 @@ KEEPER_S = 3.0  # one keeper generates this long; the next is sent KEEPER_S - 1 
 # ---- statistics --------------------------------------------------------------------
 
 
-def pct(sorted_s: list[float], q: float) -> float:
-    """Nearest-rank percentile ``q`` (0..100) of sorted seconds."""
-    if not sorted_s:
-        return math.nan
-    return sorted_s[max(0, math.ceil(q / 100 * len(sorted_s)) - 1)]
-
-
 def summary_ms(samples: list[float]) -> dict[str, float]:
     s = sorted(samples)
     return {
         "n": len(s),
-        "p50": round(pct(s, 50) * 1e3, 3),
-        "p90": round(pct(s, 90) * 1e3, 3),
-        "p99": round(pct(s, 99) * 1e3, 3),
+        "p50": round(percentile(s, 50) * 1e3, 3),
+        "p90": round(percentile(s, 90) * 1e3, 3),
+        "p99": round(percentile(s, 99) * 1e3, 3),
         "max": round(s[-1] * 1e3, 3),
     }
 
@@ -89,63 +80,29 @@ def summary_ms(samples: list[float]) -> dict[str, float]:
 # ---- the processes -----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Env:
-    base: Path
-    socket: str
+    """The running stack (slicerd, the stub under the launcher, the dispatcher)."""
+
+    stack: Stack
     stub_url: str
     disp_url: str
-    env: dict[str, str]
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     rcs: dict[str, int | None] = field(default_factory=dict)
 
-    def log(self, name: str) -> Path:
-        return self.base / f"{name}.log"
+    @property
+    def base(self) -> Path:
+        return self.stack.base
 
-    def start(self, name: str, argv: list[str], *, session: bool = False) -> None:
-        with open(self.log(name), "ab") as logf:
-            self.procs[name] = subprocess.Popen(
-                argv,
-                cwd=ROOT,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=logf,
-                stderr=logf,
-                preexec_fn=die_with_parent,
-                start_new_session=session,
-            )
+    @property
+    def socket(self) -> str:
+        return self.stack.socket
 
-    def wait_for(self, name: str, what: str, ready: Any, timeout: float = 30) -> None:
-        """Poll ``ready()`` (every 10 ms) until true; the process must stay alive."""
-        deadline = time.monotonic() + timeout
-        while not ready():
-            proc = self.procs[name]
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.log(name).read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name}: no {what} (rc={proc.poll()}):\n{tail}")
-            time.sleep(0.01)
+    @property
+    def procs(self) -> dict[str, subprocess.Popen[bytes]]:
+        return self.stack.procs
 
     def tail(self, name: str) -> str:
-        return self.log(name).read_text(errors="replace")[-3000:]
-
-
-def stop_group(proc: subprocess.Popen[bytes], timeout: float = 20) -> int:
-    """SIGTERM; after ``timeout`` s SIGKILL its whole process group."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.kill()
-        return proc.wait(timeout=10)
+        return log_tail(self.stack.log_of(name), 3000)
 
 
 def orphans(base: Path) -> list[str]:
@@ -158,73 +115,36 @@ def orphans(base: Path) -> list[str]:
     return left
 
 
+async def _start_front(e: Env, args: argparse.Namespace, stub_port: int, disp_port: int) -> None:
+    """The vLLM stub under the launcher (READY=1), then the dispatcher (listening)."""
+    stub = vllm_stub_argv("v", stub_port, "--tokens-per-s", str(TOKENS_PER_S))
+    stub += ["--max-model-len", "16384"]
+    await e.stack.launcher("v", stub, park="cooperative", timeout=60, component="launcher")
+    prefix = [sys.executable]
+    if args.profile_dispatcher:
+        prefix += ["-m", "cProfile", "-o", os.path.abspath(args.profile_dispatcher)]
+    log_args = ["--log-level", "warning"]
+    await e.stack.dispatcher("v", e.stub_url, disp_port, args=log_args, prefix=prefix)
+
+
 @contextlib.contextmanager
 def running(args: argparse.Namespace) -> Iterator[Env]:
-    """slicerd, the stub under the launcher, and the dispatcher; all stopped on exit."""
-    base = Path(tempfile.mkdtemp(prefix="dispatch-bench-"))
-    os.chmod(base, 0o755)
-    gpu_dir = base / "gpu"
-    Ledger.init(gpu_dir, 1, parse_size("80GiB"))
-    env = {
-        **os.environ,
-        "FAKEGPU_DIR": str(gpu_dir),
-        "FAKEGPU_BANDWIDTH": "400GB",
-        "FAKEGPU_CC_LOG": str(base / "cc.log"),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    env.pop("SLICER_SOCKET", None)
-    sock = str(base / "slicer.sock")
-    stub_port, disp_port = _free_port(), _free_port()
-    e = Env(base, sock, f"http://127.0.0.1:{stub_port}", f"http://127.0.0.1:{disp_port}", env)
+    """slicerd, the stub under the launcher, and the dispatcher (the stack harness,
+    `stubs.stack`); all stopped with SIGTERM on exit, their codes and the count of
+    processes left naming the temp dir in ``rcs``."""
+    stub_port, disp_port = free_port(), free_port()
+    e: Env | None = None
     try:
-        notify_path = str(base / "notify")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
-            notify.bind(notify_path)
-            notify.settimeout(0.2)
-            e.env = {**env, "NOTIFY_SOCKET": notify_path}
-            daemon = [sys.executable, "-m", "gpu_slicer.slicer.daemon", "--socket", sock]
-            daemon += ["--gpu-backend", "fake", "--cuda-checkpoint", TOOL]
-            e.start("slicerd", [*daemon, "--state-dir", str(base / "state")])
-            e.env = env
-            got: list[bytes] = []
-
-            def ready() -> bool:
-                with contextlib.suppress(TimeoutError):
-                    got.append(notify.recv(4096))
-                return any(b"READY=1" in m for m in got)
-
-            e.wait_for("slicerd", "READY=1", ready)
-        ready_file = base / "ready"
-        argv = [sys.executable, "-m", "gpu_slicer.launcher.main", "vllm", "--workload", "v"]
-        argv += ["--socket", sock, "--park", "cooperative", "--ready-file", str(ready_file)]
-        argv += ["--", sys.executable, "-m", "stubs.vllm_stub", "serve", "m"]
-        argv += ["--port", str(stub_port), "--fake-workload", "v"]
-        argv += ["--tokens-per-s", str(TOKENS_PER_S), "--max-model-len", "16384"]
-        e.start("launcher", argv, session=True)
-        e.wait_for("launcher", "ready marker", ready_file.exists, timeout=60)
-        prefix = [sys.executable]
-        if args.profile_dispatcher:
-            prefix += ["-m", "cProfile", "-o", os.path.abspath(args.profile_dispatcher)]
-        argv = [
-            *prefix,
-            "-m",
-            "gpu_slicer.dispatcher.main",
-            "--workload",
-            "v",
-            "--replica",
-            e.stub_url,
-        ]
-        argv += ["--socket", sock, "--state-dir", str(base / "dstate")]
-        argv += ["--listen", f"127.0.0.1:{disp_port}", "--log-level", "warning"]
-        e.start("dispatcher", argv)
-        e.wait_for("dispatcher", "'listening on'", lambda: "listening on" in e.tail("dispatcher"))
-        yield e
+        with running_stack_sync(
+            tmp_prefix="dispatch-bench-", gpus=1, log_level="info", pdeathsig=True
+        ) as stack:
+            e = Env(stack, f"http://127.0.0.1:{stub_port}", f"http://127.0.0.1:{disp_port}")
+            trio.run(_start_front, e, args, stub_port, disp_port)
+            yield e
     finally:
-        for name in ("dispatcher", "launcher", "slicerd"):
-            if name in e.procs:
-                e.rcs[name] = stop_group(e.procs[name])
-        e.rcs["orphans"] = len(orphans(base))
-        shutil.rmtree(base, ignore_errors=True)
+        if e is not None:
+            e.rcs.update(e.stack.rcs)
+            e.rcs["orphans"] = len(orphans(e.base))
 
 
 # ---- the measurements --------------------------------------------------------------
@@ -325,7 +245,7 @@ async def measure(e: Env, args: argparse.Namespace) -> dict[str, Any]:
             res["direct_latency_s"] = await latency(direct, n, warm)
             res["direct_rps"] = await throughput(direct, n, args.clients)
         (await direct.post("/sleep", params={"level": 1, "mode": "abort"})).raise_for_status()
-        await sl.release("v", turn.turn)
+        await sl.release(turn)
 
         # 1+2 through the dispatcher
         ckpt = e.base / "ckpt" / "r1"
@@ -357,7 +277,7 @@ async def measure(e: Env, args: argparse.Namespace) -> dict[str, Any]:
                 await hog.register("hog", pid=hog_pid.pid)
                 hturn = await hog.acquire("hog", wait=60)
                 res["memory"] = await memory(e, via, args)
-                await hog.release("hog", hturn.turn, park="now")
+                await hog.release(hturn, park="now")
                 t0 = time.perf_counter()
                 with trio.fail_after(120):
                     while (st := (await via.get("/status")).json())["counts"]["pending"]:

@@ -22,8 +22,8 @@ multiplied: they are reported as measured.
 
 Sources. slicerd's WATCH events (CLOCK_MONOTONIC, microseconds): queued, parking,
 parked (park_ms, bytes), restoring, restored (restore_ms), granted, released. The
-dispatcher's log (turn phases with their durations; wall-clock milliseconds, mapped to
-CLOCK_MONOTONIC through this process's offset). The cuda-checkpoint stub's log
+dispatcher's event stream (``GET /v1/events``: granted, woke, load_end, serving, slept,
+with their durations, on CLOCK_MONOTONIC like WATCH). The cuda-checkpoint stub's log
 (``FAKEGPU_CC_LOG``: each invocation's own duration, so park_ms splits into the
 tool's transfer and the cost of starting it).
 
@@ -44,13 +44,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
-import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,10 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make slicer/stubs importable
     sys.path.insert(0, str(ROOT))
 
-from gpu_slicer.slicer.client import AsyncSlicer  # noqa: E402
-from gpu_slicer.slicer.demo_font import GLYPH_H, text_width  # noqa: E402
-from gpu_slicer.slicer.demo_png import INK, ROW_COLORS, Canvas  # noqa: E402
-from gpu_slicer.slicer.demo_proc import (  # noqa: E402
+from demo.proc import (  # noqa: E402
     DemoError,
     Procs,
     Recording,
@@ -85,7 +79,11 @@ from gpu_slicer.slicer.demo_proc import (  # noqa: E402
     stop,
     watch,
 )
+from gpu_slicer.dispatcher.events import follow_events  # noqa: E402
+from gpu_slicer.slicer.client import AsyncSlicer  # noqa: E402
 from stubs.fakegpu import Ledger  # noqa: E402
+from stubs.measure import percentile  # noqa: E402
+from stubs.proc import free_port  # noqa: E402
 
 GIB = 1 << 30
 TARGET_OVERHEAD_MS = 5.0
@@ -179,20 +177,12 @@ def load_scenarios(path: Path) -> tuple[list[Scenario], dict[str, Any]]:
 # ---- statistics ----------------------------------------------------------------------
 
 
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile `q` (0..100)."""
-    s = sorted(values)
-    if not s:
-        return math.nan
-    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
-
-
 def med(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
 def stats(values: list[float]) -> dict[str, float]:
-    return {"n": len(values), "p50": med(values), "p99": pct(values, 99)}
+    return {"n": len(values), "p50": med(values), "p99": percentile(values, 99)}
 
 
 # ---- records of one run --------------------------------------------------------------
@@ -203,7 +193,7 @@ class Run:
     """Everything one loop run saw (monotonic seconds)."""
 
     events: list[dict[str, Any]]
-    dlog: list[tuple[float, str]]  # (monotonic, message) of the dispatcher
+    devents: list[dict[str, Any]]  # the dispatcher's GET /v1/events (t: monotonic)
     cc: list[tuple[float, float, str]]  # (end monotonic, duration s, op)
     t_start: float
     t_end: float
@@ -211,9 +201,6 @@ class Run:
     served: int
     expected: int
     done_at: list[float]  # monotonic: when each request's result reached the client
-
-
-LOG_RE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) slicer-dispatch\[\d+\] \w+ (.*)$")
 
 
 def mono_offset() -> float:
@@ -229,16 +216,6 @@ def mono_offset() -> float:
     return off
 
 
-def read_dispatcher_log(path: Path, offset: float) -> list[tuple[float, str]]:
-    out: list[tuple[float, str]] = []
-    for line in path.read_text(errors="replace").splitlines():
-        m = LOG_RE.match(line)
-        if m:
-            wall = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            out.append((wall - offset, m.group(2)))
-    return out
-
-
 def read_cc_log(path: Path, offset: float) -> list[tuple[float, float, str]]:
     out: list[tuple[float, float, str]] = []
     if path.exists():
@@ -250,12 +227,6 @@ def read_cc_log(path: Path, offset: float) -> list[tuple[float, float, str]]:
 
 
 # ---- the processes -------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _until(what: str, cond: Callable[[], bool], timeout: float, procs: Procs,
@@ -292,7 +263,7 @@ def _env(base: Path, s: Scenario) -> dict[str, str]:
 async def _launch_vllm(base: Path, env: dict[str, str], procs: Procs, sock: str, s: Scenario,
                        name: str, park: str) -> int:  # fmt: skip
     """The vLLM stub under slicer-launch (boot turn, sleep, ready marker); its port."""
-    port = _free_port()
+    port = free_port()
     ready = base / f"{name}.ready"
     tps = s.max_tokens * s.k / s.batch_s  # a request of max_tokens takes batch_s real
     argv = [
@@ -379,7 +350,7 @@ async def run_loop(s: Scenario, *, turn_seconds: float | None = None, mode: str 
             nursery.start_soon(watch, sock, rec, trio.Event())
             await trio.sleep(0.05)
             vport = await _launch_vllm(base, env, procs, sock, s, "sampler", "cooperative")
-            dport = _free_port()
+            dport = free_port()
             dlog = base / "dispatcher.log"
             argv = [sys.executable, "-m", "gpu_slicer.dispatcher.main", "--workload", "sampler"]
             argv += ["--replica", f"http://127.0.0.1:{vport}", "--listen", f"127.0.0.1:{dport}"]
@@ -389,6 +360,8 @@ async def run_loop(s: Scenario, *, turn_seconds: float | None = None, mode: str 
             procs.children["dispatcher"] = spawn(argv, env, dlog)
             await _until("the dispatcher", _has_line(dlog, "listening on"), 30, procs, base)
             url = f"http://127.0.0.1:{dport}"
+            devents: list[dict[str, Any]] = []
+            await nursery.start(follow_events, url, devents.append)
             t_start = time.monotonic()
             argv = [sys.executable, "-m", "stubs.trainer_stub", "--socket", sock]
             argv += ["--workload", "trainer", "--bytes", str(s.trainer)]
@@ -412,7 +385,7 @@ async def run_loop(s: Scenario, *, turn_seconds: float | None = None, mode: str 
         off = mono_offset()
         return Run(
             events=rec.events,
-            dlog=read_dispatcher_log(dlog, off),
+            devents=devents,
             cc=read_cc_log(base / "cc.log", off),
             t_start=t_start,
             t_end=t_end,
@@ -461,11 +434,6 @@ def _tool_time(cc: list[tuple[float, float, str]], lo: float, hi: float, ops: se
     return sum(d for t, d, op in cc if op in ops and lo - 0.005 <= t <= hi + 0.005)
 
 
-def _dur(msg: str) -> float:
-    m = re.search(r" in ([0-9.]+) s", msg)
-    return float(m.group(1)) if m else 0.0
-
-
 def sampler_turns(run: Run) -> list[SamplerTurn]:
     """The dispatcher's turns, each with its phases (daemon grant/release times)."""
     ev = [e for e in run.events if e["workload"] == "sampler" and e["t"] >= run.t_start - 1]
@@ -473,26 +441,23 @@ def sampler_turns(run: Run) -> list[SamplerTurn]:
     rels = [e["t"] for e in ev if e["event"] == "released"]
     turns: dict[int, SamplerTurn] = {}
     order: list[int] = []
-    for t, msg in run.dlog:
-        m = re.match(r"turn (\d+): (.*)", msg)
-        if not m:
-            continue
-        n, what = int(m.group(1)), m.group(2)
-        if what.startswith("granted"):
+    for e in run.devents:  # the dispatcher's events (README "Events")
+        kind, t, n = e["event"], float(e["t"]), e.get("turn")
+        if kind == "granted":
             order.append(n)
             turns[n] = SamplerTurn(granted=t, released=t)
             continue
-        cur = turns.get(n)
+        cur = turns.get(n) if n is not None else None
         if cur is None:
             continue
-        if what.startswith("woke in"):
-            cur.wake = _dur(what)
-        elif what.startswith("loaded revision"):
-            cur.load += _dur(what)
-        elif what.startswith("serving revision") and cur.serving is None:
+        if kind == "woke":
+            cur.wake = float(e["duration_s"])
+        elif kind == "load_end" and e["ok"]:
+            cur.load += float(e["duration_s"])
+        elif kind == "serving" and cur.serving is None:
             cur.serving = t
-        elif what.startswith("slept the replica"):
-            cur.sleep = _dur(what)
+        elif kind == "slept" and e["ok"]:
+            cur.sleep = float(e["duration_s"])
             cur.serve_end = t - cur.sleep
     out = [turns[n] for n in order]
     # Daemon timestamps (microseconds) for grant and release, matched in order.
@@ -649,7 +614,7 @@ async def lever_lazy(s: Scenario, steps: int, blocks: int) -> dict[str, Any]:
                             ledger.alloc(os.getpid(), 0, s.trainer - have, tag="weights",
                                          workload="trainer")  # fmt: skip
                         await trio.sleep(work)
-                        await c.release("trainer", turn.turn, park=mode)
+                        await c.release(turn, park=mode)
                         # Modelled transfer of this step (scaled run): the park, and the
                         # restore its ACQUIRE needed; real-equivalent: that share x k.
                         moves = (mode == "now") + bool(turn.restored)
@@ -702,7 +667,7 @@ async def lever_sleep(s: Scenario, cycles: int) -> dict[str, Any]:
                     t2 = time.monotonic()
                     if mode == "sleep":
                         (await http.post(f"{url}/sleep", params={"level": 1})).raise_for_status()
-                    await c.release(names[mode], turn.turn, park="now")
+                    await c.release(turn, park="now")
                     if i > 0:  # the first cycle wakes the checkpoint variant for good
                         costs[mode].append(time.monotonic() - t0 - (t2 - t1))
         assert procs.daemon is not None
@@ -741,44 +706,41 @@ def gib(n: int) -> str:
 
 
 def chart_png(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Busy fraction (real-equivalent) against model size, one bar per link."""
-    models: list[str] = []
-    for r in rows:
-        if r["model"] not in models:
-            models.append(r["model"])
+    """Busy fraction (real-equivalent) against model size, one bar per link (matplotlib,
+    the `charts` extra; without it one line on stderr and no PNG)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("efficiency bench: no chart written: the chart needs matplotlib:"
+              " pip install -e '.[charts]' (the `charts` extra)", file=sys.stderr)  # fmt: skip
+        return
+    models = list(dict.fromkeys(r["model"] for r in rows))
     links = sorted({float(r["link_gbps"]) for r in rows})
-    th = GLYPH_H * 2
-    w, h = 900, 520
-    c = Canvas(w, h)
-    c.text(16, 16, "GPU BUSY FRACTION VS MODEL SIZE (REAL-EQUIVALENT)")
-    x0, y0, x1, y1 = 90, 80, w - 30, h - 70
-    for k10 in range(11):
-        y = y1 - round((y1 - y0) * k10 / 10)
-        c.rect(x0, y, x1 - x0, 1, (214, 214, 214))
-        if k10 % 2 == 0:
-            label = f"{k10 * 10}%"
-            c.text(x0 - 10 - text_width(label, 2), y - th // 2, label)
-    c.rect(x0, y0, 2, y1 - y0, INK)
-    c.rect(x0, y1, x1 - x0, 2, INK)
-    group = (x1 - x0) // max(1, len(models))
-    bw = group // (len(links) + 1)
-    for i, m in enumerate(models):
-        gx = x0 + i * group + bw // 2
-        for j, link in enumerate(links):
-            sel = [r for r in rows if r["model"] == m and float(r["link_gbps"]) == link]
-            if not sel or math.isnan(sel[0]["busy_real"]):
-                continue
-            v = max(0.0, min(1.0, float(sel[0]["busy_real"])))
-            top = y1 - round((y1 - y0) * v)
-            c.rect(gx + j * bw, top, bw - 6, y1 - top, ROW_COLORS[j % len(ROW_COLORS)])
-            label = f"{v * 100:.0f}%"
-            c.text(gx + j * bw + (bw - 6 - text_width(label, 2)) // 2, top - th - 4, label)
-        c.text(x0 + i * group + (group - text_width(m, 2)) // 2, y1 + 12, m)
-    lx = x0
+    fig = Figure(figsize=(9, 5.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    width = 0.8 / max(1, len(links))
     for j, link in enumerate(links):
-        c.rect(lx, h - 34, th, th, ROW_COLORS[j % len(ROW_COLORS)])
-        lx = c.text(lx + th + 6, h - 34, f"{link:g} GB/S") + 30
-    path.write_bytes(c.png())
+        xs, ys = [], []
+        for i, m in enumerate(models):
+            sel = [r for r in rows if r["model"] == m and float(r["link_gbps"]) == link]
+            if sel and not math.isnan(sel[0]["busy_real"]):
+                xs.append(i + (j - (len(links) - 1) / 2) * width)
+                ys.append(100 * max(0.0, min(1.0, float(sel[0]["busy_real"]))))
+        bars = ax.bar(xs, ys, width * 0.9, label=f"{link:g} GB/s host link")
+        ax.bar_label(bars, fmt="%.0f%%", padding=2)
+    ax.set_xticks(range(len(models)), models)
+    ax.set_ylim(0, 110)
+    ax.set_yticks(range(0, 101, 20), [f"{v}%" for v in range(0, 101, 20)])
+    ax.set_xlabel("model")
+    ax.set_ylabel("GPU busy fraction (real-equivalent)")
+    ax.grid(axis="y", color="0.85")
+    ax.set_axisbelow(True)
+    ax.set_title("GPU busy fraction vs model size (real-equivalent)")
+    ax.legend(loc="upper right")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
 
 
 def markdown(res: dict[str, Any], scenarios: list[Scenario]) -> str:

@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,15 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.slicerd_proc import die_with_parent, run_script, start_fake_slicerd, stop  # noqa: E402
+from bench.script import run_script  # noqa: E402
+from stubs.measure import percentile  # noqa: E402
+from stubs.proc import log_tail  # noqa: E402
+from stubs.stack import running_stack_sync  # noqa: E402
 
 TARGET_P99_MS = 50.0
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile `q` (0..100)."""
-    s = sorted(values)
-    return s[max(0, -(-len(s) * q // 100) - 1)] if s else float("nan")
 
 
 def connect(path: str) -> socket.socket:
@@ -103,48 +98,44 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline-pings", type=int, default=300)
     args = ap.parse_args()
-    base_dir = Path(tempfile.mkdtemp(prefix="slicer-flood-"))
-    proc, sock, log = start_fake_slicerd(base_dir, gpus=1, log_level="warning")
-    sleepers: list[subprocess.Popen[bytes]] = []
-    regs: list[socket.socket] = []
-    try:
-        for i in range(args.workloads):
-            sl = subprocess.Popen(
-                [sys.executable, "-c", "import time; time.sleep(3600)"], preexec_fn=die_with_parent
-            )
-            sleepers.append(sl)
-            r = connect(sock)
-            r.sendall(f"REGISTER w{i} pid={sl.pid}\n".encode())
-            if not r.recv(4096).startswith(b"OK"):
-                raise RuntimeError("REGISTER refused")
-            regs.append(r)
-        base_all: list[float] = []
-        during_all: list[float] = []
-        rates = []
-        for _ in range(args.rounds):
-            base, during, rate = one_round(sock, args.status, args.baseline_pings)
-            base_all += base
-            during_all += during
-            rates.append(rate)
-    finally:
-        for r in regs:
-            r.close()
-        for sl in sleepers:
-            sl.kill()
-            sl.wait()
-        rc = stop(proc)
+    with running_stack_sync(
+        tmp_prefix="slicer-flood-", gpus=1, bandwidth=None, log_level="warning", pdeathsig=True
+    ) as stack:
+        sock = stack.socket
+        regs: list[socket.socket] = []
+        try:
+            for i in range(args.workloads):
+                r = connect(sock)
+                r.sendall(f"REGISTER w{i} pid={stack.sleeper()}\n".encode())
+                if not r.recv(4096).startswith(b"OK"):
+                    raise RuntimeError("REGISTER refused")
+                regs.append(r)
+            base_all: list[float] = []
+            during_all: list[float] = []
+            rates = []
+            for _ in range(args.rounds):
+                base, during, rate = one_round(sock, args.status, args.baseline_pings)
+                base_all += base
+                during_all += during
+                rates.append(rate)
+        finally:
+            for r in regs:
+                r.close()
+        rc = stack.stop_sync()
+        tail = log_tail(stack.base / "slicerd.log", 3000) if rc else ""
     b50, d50 = statistics.median(base_all), statistics.median(during_all)
     print(f"slicerd flood bench: {args.rounds} rounds, {args.status} pipelined STATUS each, "
           f"{args.workloads} workloads")  # fmt: skip
     print(f"{'PING round trip (ms)':28} {'median':>8} {'p99':>8} {'max':>8} {'n':>6}")
     for name, v in (("alone", base_all), ("during the STATUS flood", during_all)):
-        print(f"{name:28} {statistics.median(v):8.3f} {pct(v, 99):8.3f} {max(v):8.3f} {len(v):6d}")
+        med, p99 = statistics.median(v), percentile(v, 99)
+        print(f"{name:28} {med:8.3f} {p99:8.3f} {max(v):8.3f} {len(v):6d}")
     print(f"ratio of medians (flood / alone): {d50 / b50:.2f}")
     print(f"flood: {statistics.median(rates):.0f} STATUS/s (median of rounds)")
-    p99 = pct(during_all, 99)
+    p99 = percentile(during_all, 99)
     verdict = "met" if p99 < TARGET_P99_MS else "MISSED"
     print(f"target: PING p99 during the flood < {TARGET_P99_MS:.0f} ms: {verdict} ({p99:.2f} ms)")
-    print(f"slicerd exit code {rc} (log: {log})")
+    print(f"slicerd exit code {rc}" + (f"; its log ends:\n{tail}" if tail else ""))
     return 0 if rc == 0 else 1
 
 

@@ -6,6 +6,10 @@ Starts its own slicerd (fake GPU backend, fresh ledger in a temp dir, READY=1 aw
 NOTIFY_SOCKET like systemd does), measures three things with `time.perf_counter_ns`, stops
 the daemon with SIGTERM and removes the temp dir:
 
+Every workload registers a process of its own, a sleeper child (a process belongs to at
+most one workload: a second REGISTER of it is `ERR in-use`); each part kills its sleepers
+when it ends, so the daemon forgets their workloads before the next part starts.
+
 1. handoff: workloads A and B (park=cooperative, GPU 0) on two connections of this process.
    The holder waits for the daemon's WAITING line (proof that the other connection is
    queued), then sends RELEASE; the figure is RELEASE sent -> the waiter's grant received.
@@ -36,12 +40,10 @@ import multiprocessing as mp
 import os
 import resource
 import select
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,9 +58,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make proto/slicer/stubs importable
     sys.path.insert(0, str(ROOT))
 
-from bench.slicerd_proc import run_script, start_fake_slicerd, stop  # noqa: E402
+from bench.script import run_script  # noqa: E402
 from gpu_slicer import proto  # noqa: E402
 from gpu_slicer.slicer.client import AsyncSlicer  # noqa: E402
+from stubs.measure import percentile  # noqa: E402
+from stubs.stack import Stack, running_stack_sync  # noqa: E402
 
 TARGETS = {
     "handoff_p50_us": 250.0,
@@ -70,14 +74,6 @@ TARGETS = {
 # ---- statistics --------------------------------------------------------------------------
 
 
-def pct(sorted_ns: list[int], q: float) -> float:
-    """Nearest-rank percentile `q` (0..100) of sorted nanoseconds, in nanoseconds."""
-    if not sorted_ns:
-        return float("nan")
-    k = max(0, math.ceil(q / 100 * len(sorted_ns)) - 1)
-    return float(sorted_ns[k])
-
-
 def summary(samples_ns: list[int], unit: float) -> dict[str, float | int]:
     """p50/p90/p99/max/mean of `samples_ns`, divided by `unit` (1e3: us, 1e6: ms)."""
     s = sorted(samples_ns)
@@ -85,9 +81,9 @@ def summary(samples_ns: list[int], unit: float) -> dict[str, float | int]:
         return {"n": 0}
     return {
         "n": len(s),
-        "p50": round(pct(s, 50) / unit, 1),
-        "p90": round(pct(s, 90) / unit, 1),
-        "p99": round(pct(s, 99) / unit, 1),
+        "p50": round(percentile(s, 50) / unit, 1),
+        "p90": round(percentile(s, 90) / unit, 1),
+        "p99": round(percentile(s, 99) / unit, 1),
         "max": round(s[-1] / unit, 1),
         "mean": round(sum(s) / len(s) / unit, 1),
     }
@@ -102,23 +98,25 @@ class Daemon:
     socket: str
     proc: subprocess.Popen[bytes]
     log: Path
+    stack: Stack
     rc: int | None = None
 
 
 @contextlib.contextmanager
 def running_daemon(profile: str | None, log_level: str) -> Iterator[Daemon]:
     """slicerd on a fresh one-GPU fake ledger in a temp dir; SIGTERM and cleanup on exit."""
-    base = Path(tempfile.mkdtemp(prefix="slicer-bench-"))
-    proc: subprocess.Popen[bytes] | None = None
-    try:
-        proc, sock, log = start_fake_slicerd(base, 1, log_level, profile=profile)
-        d = Daemon(base=base, socket=sock, proc=proc, log=log)
+    with running_stack_sync(
+        tmp_prefix="slicer-bench-",
+        gpus=1,
+        bandwidth=None,
+        log_level=log_level,
+        profile=profile,
+        pdeathsig=True,
+    ) as stack:
+        assert stack.proc is not None and stack.log is not None
+        d = Daemon(stack.base, stack.socket, stack.proc, stack.log, stack)
         yield d
-        d.rc = stop(proc)
-    finally:
-        if proc is not None and proc.poll() is None:
-            stop(proc)
-        shutil.rmtree(base, ignore_errors=True)
+        d.rc = stack.stop_sync()
 
 
 # ---- a raw blocking connection -----------------------------------------------------------
@@ -176,18 +174,32 @@ def _await_waiting(holder: Raw) -> None:
             raise RuntimeError(f"unexpected reply while waiting for WAITING: {msg}")
 
 
+@contextlib.contextmanager
+def own_processes(d: Daemon, n: int) -> Iterator[list[int]]:
+    """`n` sleeper children (started from the main thread: they die with this process),
+    one per workload of a part; killed on the way out."""
+    pids = [d.stack.sleeper() for _ in range(n)]
+    try:
+        yield pids
+    finally:
+        for p in d.stack.children:
+            if p.pid in pids and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def _wait_no_workloads(path: str) -> None:
-    """After closing registrants: poll STATUS until the daemon forgot them (bounded)."""
+    """After closing registrants and killing their sleepers: poll STATUS until the daemon
+    forgot the workloads (bounded)."""
     c = Raw(path)
     try:
         deadline = time.monotonic() + 10
         while True:
             st = c.request("STATUS").body
             gpu0 = st["gpus"][0]
-            # Registrations end with their registrant; the workloads stay as parked orphans
-            # (re-adoptable) while their process, this one, lives.
-            live = [w for w in st["workloads"] if w["registrant"] is not None]
-            if not live and gpu0["holder"] is None and not gpu0["queue"]:
+            # Registrations end with their registrant; a workload stays as a parked orphan
+            # (re-adoptable) until the daemon's reaper sees its process gone.
+            if not st["workloads"] and gpu0["holder"] is None and not gpu0["queue"]:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"workloads linger after close: {st['workloads']}")
@@ -199,10 +211,10 @@ def _wait_no_workloads(path: str) -> None:
 # ---- 1. handoff --------------------------------------------------------------------------
 
 
-def bench_handoff(path: str, cycles: int, warmup: int) -> dict[str, Any]:
+def bench_handoff(path: str, cycles: int, warmup: int, pids: list[int]) -> dict[str, Any]:
     a, b = Raw(path), Raw(path)
-    a.request("REGISTER bench-a gpu=0 park=cooperative tree=0")
-    b.request("REGISTER bench-b gpu=0 park=cooperative tree=0")
+    a.request(f"REGISTER bench-a gpu=0 pid={pids[0]} park=cooperative tree=0")
+    b.request(f"REGISTER bench-b gpu=0 pid={pids[1]} park=cooperative tree=0")
     turn = int(a.request("ACQUIRE bench-a").fields["turn"])
     holder, waiter = (a, "bench-a"), (b, "bench-b")
     handoff: list[int] = []
@@ -264,9 +276,9 @@ def bench_handoff(path: str, cycles: int, warmup: int) -> dict[str, Any]:
 # ---- 2. uncontended re-ACQUIRE ------------------------------------------------------------
 
 
-def bench_reacquire(path: str, cycles: int, warmup: int) -> dict[str, Any]:
+def bench_reacquire(path: str, cycles: int, warmup: int, pid: int) -> dict[str, Any]:
     c = Raw(path)
-    c.request("REGISTER bench-solo gpu=0 park=cooperative tree=0")
+    c.request(f"REGISTER bench-solo gpu=0 pid={pid} park=cooperative tree=0")
     acq: list[int] = []
     rel: list[int] = []
     restored = 0
@@ -353,7 +365,7 @@ async def _queue_and_cascade(
         try:
             t = await c.acquire("bench-w")
             grants.append((i, t.turn, time.perf_counter_ns()))
-            await c.release("bench-w", t.turn)
+            await c.release(t)
         except Exception as e:
             errors.append(f"{i}: {e!r}")
 
@@ -389,7 +401,7 @@ async def _queue_and_cascade(
             go.set()
             await trio.sleep(0.05)  # the prober is running before the cascade starts
         t_start = time.perf_counter_ns()
-        await holder.release("bench-h", held.turn)
+        await holder.release(held)
     t_end = max((g[2] for g in grants), default=time.perf_counter_ns())
 
     by_turn = sorted(grants, key=lambda g: g[1])
@@ -406,14 +418,16 @@ async def _queue_and_cascade(
     }
 
 
-async def _cascade(path: str, n: int, go: MpEvent, stop: MpEvent) -> dict[str, Any]:
+async def _cascade(
+    path: str, n: int, go: MpEvent, stop: MpEvent, pids: list[int]
+) -> dict[str, Any]:
     holder = await AsyncSlicer.connect(path)
     registrar = await AsyncSlicer.connect(path)
     conns: list[AsyncSlicer] = []
     try:
         # tree=1 (the default, as a vLLM launcher registers): STATUS resolves descendants.
-        await holder.register("bench-h", gpu=0, park="cooperative")
-        await registrar.register("bench-w", gpu=0, park="cooperative")
+        await holder.register("bench-h", gpu=0, pid=pids[0], park="cooperative")
+        await registrar.register("bench-w", gpu=0, pid=pids[1], park="cooperative")
         t_conn = time.perf_counter_ns()
         for _ in range(n):
             conns.append(await AsyncSlicer.connect(path))
@@ -434,7 +448,7 @@ async def _cascade(path: str, n: int, go: MpEvent, stop: MpEvent) -> dict[str, A
     }
 
 
-def bench_cascade(path: str, n: int, interval_s: float) -> dict[str, Any]:
+def bench_cascade(path: str, n: int, interval_s: float, pids: list[int]) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     go, stop = ctx.Event(), ctx.Event()
     rx, tx = ctx.Pipe(duplex=False)
@@ -444,7 +458,7 @@ def bench_cascade(path: str, n: int, interval_s: float) -> dict[str, Any]:
     prober.start()
     tx.close()
     try:
-        out = trio.run(_cascade, path, n, go, stop)
+        out = trio.run(_cascade, path, n, go, stop, pids)
         lat: list[int] = rx.recv() if rx.poll(30) else []
     finally:
         go.set()
@@ -536,13 +550,17 @@ def main() -> int:
     t_all = time.perf_counter()
     with running_daemon(args.profile_daemon, args.log_level) as d:
         if "handoff" in only:
-            res["handoff"] = bench_handoff(d.socket, args.cycles, args.warmup)
+            with own_processes(d, 2) as pids:
+                res["handoff"] = bench_handoff(d.socket, args.cycles, args.warmup, pids)
             _wait_no_workloads(d.socket)
         if "reacquire" in only:
-            res["reacquire"] = bench_reacquire(d.socket, args.cycles, args.warmup)
+            with own_processes(d, 1) as pids:
+                res["reacquire"] = bench_reacquire(d.socket, args.cycles, args.warmup, pids[0])
             _wait_no_workloads(d.socket)
         if "cascade" in only:
-            res["cascade"] = bench_cascade(d.socket, args.waiters, args.status_interval_ms / 1e3)
+            interval_s = args.status_interval_ms / 1e3
+            with own_processes(d, 2) as pids:
+                res["cascade"] = bench_cascade(d.socket, args.waiters, interval_s, pids)
         log_tail = d.log.read_text(errors="replace")[-2000:]
     res["daemon_rc"] = d.rc
     res["total_s"] = round(time.perf_counter() - t_all, 1)

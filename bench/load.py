@@ -7,9 +7,9 @@ Starts its own slicerd (fake GPU backend, a fresh ledger of `--gpus` GPUs in a t
 `--config` TOML whose limits admit every connection, READY=1 awaited on a NOTIFY_SOCKET),
 stops it with SIGTERM at the end and removes the temp dir; nothing is left running.
 
-1. `--workloads` workloads (park=cooperative, so a park is verify-only; tree=0; the pids
-   of a few sleeper children) are registered round-robin over the GPUs, one registrant
-   connection each.
+1. `--workloads` workloads (park=cooperative, so a park is verify-only; tree=0; each the
+   pid of a sleeper child of its own: a process belongs to at most one workload) are
+   registered round-robin over the GPUs, one registrant connection each.
 2. A WATCH connection in its own process records every event to a file.
 3. `--connections` client connections (raw trio streams) each repeat ACQUIRE of a random
    workload (the plan is seeded) -> RELEASE until `--cycles` cycles are done in all.
@@ -40,17 +40,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import multiprocessing as mp
 import os
 import random
 import resource
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -66,24 +63,18 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make proto/slicer/stubs importable
     sys.path.insert(0, str(ROOT))
 
-from bench.slicerd_proc import die_with_parent, run_script, start_fake_slicerd, stop  # noqa: E402
+from bench.script import run_script  # noqa: E402
 from gpu_slicer.slicer.client import AsyncSlicer  # noqa: E402
+from stubs.measure import percentile  # noqa: E402
+from stubs.proc import die_with_parent  # noqa: E402
+from stubs.stack import running_stack_sync  # noqa: E402
 
 MARKER = "load-end-marker"  # registered after the run: the watcher's cue that it has all
-SLEEPERS = 4
 MAX_KEPT = 20  # violation messages kept per kind (all are counted)
 MiB = 1 << 20
 
 
 # ---- statistics --------------------------------------------------------------------------
-
-
-def pct(sorted_ns: list[int], q: float) -> float:
-    """Nearest-rank percentile `q` (0..100) of sorted values."""
-    if not sorted_ns:
-        return float("nan")
-    k = max(0, math.ceil(q / 100 * len(sorted_ns)) - 1)
-    return float(sorted_ns[k])
 
 
 def summary_ms(samples_ns: list[int]) -> dict[str, float | int]:
@@ -92,9 +83,9 @@ def summary_ms(samples_ns: list[int]) -> dict[str, float | int]:
         return {"n": 0}
     return {
         "n": len(s),
-        "p50": round(pct(s, 50) / 1e6, 2),
-        "p90": round(pct(s, 90) / 1e6, 2),
-        "p99": round(pct(s, 99) / 1e6, 2),
+        "p50": round(percentile(s, 50) / 1e6, 2),
+        "p90": round(percentile(s, 90) / 1e6, 2),
+        "p99": round(percentile(s, 99) / 1e6, 2),
         "max": round(s[-1] / 1e6, 2),
         "mean": round(sum(s) / len(s) / 1e6, 2),
     }
@@ -145,41 +136,35 @@ def _config_toml(connections: int, workloads: int) -> str:
 
 @contextlib.contextmanager
 def running_daemon(args: argparse.Namespace) -> Iterator[Daemon]:
-    """slicerd on a fresh fake ledger of `args.gpus` GPUs in a temp dir, plus the sleeper
-    children that stand for the workloads; SIGTERM, kills and cleanup on the way out."""
-    base = Path(tempfile.mkdtemp(prefix="slicer-load-"))
-    proc: subprocess.Popen[bytes] | None = None
-    sleepers: list[subprocess.Popen[bytes]] = []
-    try:
-        cfg = base / "slicer.toml"
+    """slicerd on a fresh fake ledger of `args.gpus` GPUs in a temp dir, plus one sleeper
+    child per workload and one for the marker (the last); SIGTERM, kills and cleanup on
+    the way out."""
+    with running_stack_sync(
+        tmp_prefix="slicer-load-",
+        start=False,
+        gpus=args.gpus,
+        bandwidth=None,
+        log_level=args.log_level,
+        profile=args.profile_daemon,
+        pdeathsig=True,
+    ) as stack:
+        cfg = stack.base / "slicer.toml"
         cfg.write_text(_config_toml(args.connections, args.workloads))
-        proc, sock, log = start_fake_slicerd(
-            base,
-            args.gpus,
-            args.log_level,
-            extra_args=["--config", str(cfg)],
-            profile=args.profile_daemon,
-            ready_timeout=30,
-        )
-        for _ in range(SLEEPERS):
-            sleepers.append(
+        stack.args += ["--config", str(cfg)]
+        stack.start_sync()
+        # `sleep`, not Python: cheap, and it lasts as long as the run.
+        for _ in range(args.workloads + 1):
+            stack.children.append(
                 subprocess.Popen(
                     ["sleep", "86400"],
                     stdin=subprocess.DEVNULL,
                     preexec_fn=die_with_parent,
                 )
             )
-        d = Daemon(base=base, socket=sock, proc=proc, log=log, sleepers=sleepers)
+        assert stack.proc is not None and stack.log is not None
+        d = Daemon(stack.base, stack.socket, stack.proc, stack.log, list(stack.children))
         yield d
-        d.rc = stop(proc)
-    finally:
-        if proc is not None and proc.poll() is None:
-            stop(proc)
-        for p in sleepers:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
-        shutil.rmtree(base, ignore_errors=True)
+        d.rc = stack.stop_sync()
 
 
 # ---- the watcher (its own process, so it always keeps up) ---------------------------------
@@ -436,7 +421,7 @@ async def run_load(d: Daemon, args: argparse.Namespace, events_path: str) -> Run
     run.waiting_since = [0] * args.connections
     run.mark("start")
 
-    # Registrants: one connection per workload, round-robin over GPUs and sleepers.
+    # Registrants: one connection per workload, round-robin over GPUs, a sleeper each.
     registrants: list[AsyncSlicer] = []
     clients: list[RawConn] = []
     probe: AsyncSlicer | None = None
@@ -450,7 +435,7 @@ async def run_load(d: Daemon, args: argparse.Namespace, events_path: str) -> Run
         for j, name in enumerate(names):
             r = await AsyncSlicer.connect(d.socket)
             registrants.append(r)
-            pid = d.sleepers[j % len(d.sleepers)].pid
+            pid = d.sleepers[j].pid
             await r.register(name, gpu=j % args.gpus, pid=pid, tree=False, park="cooperative")
         run.marks["timing"] = {"register_s": round(time.perf_counter() - t, 2)}
         run.mark("registered")
@@ -496,7 +481,8 @@ async def run_load(d: Daemon, args: argparse.Namespace, events_path: str) -> Run
 
         # The marker: once the watcher sees its `registered` event it has every event.
         probe = await AsyncSlicer.connect(d.socket)
-        await probe.register(MARKER, gpu=0, pid=d.sleepers[0].pid, tree=False, park="cooperative")
+        pid = d.sleepers[-1].pid
+        await probe.register(MARKER, gpu=0, pid=pid, tree=False, park="cooperative")
         msg = await trio.to_thread.run_sync(lambda: rx.recv() if rx.poll(60) else "timeout")
         if msg != "done":
             run.v.add("watcher", f"event stream incomplete: {msg}")

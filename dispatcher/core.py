@@ -51,12 +51,10 @@ import array
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpu_slicer.dispatcher.errors import BadRequest
-
-if TYPE_CHECKING:
-    from gpu_slicer.dispatcher.store import Pending
+from gpu_slicer.dispatcher.model import WEIGHT_CHECKS, Pending
 
 __all__ = [
     "KINDS",
@@ -76,7 +74,6 @@ __all__ = [
 ]
 
 KINDS = ("completion", "chat")
-WEIGHT_CHECKS = ("spans", "label")  # --weight-check: see "Two ways" above
 MAX_N = 16
 MAX_PARAMS_BYTES = 1 << 20
 _MAX_TOKEN_ID = (1 << 31) - 1

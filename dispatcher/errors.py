@@ -13,6 +13,7 @@ __all__ = [
     "BadRequest",
     "DeadlineExceeded",
     "DispatchError",
+    "IllegalTransition",
     "NotFound",
     "ReplicaError",
     "StateInUse",
@@ -60,6 +61,11 @@ class StoreError(DispatchError):
 
 class StoreFull(StoreError):
     """The disk holding the store is full; the request was not journaled."""
+
+
+class IllegalTransition(DispatchError):
+    """A phase change the turn loop's table does not allow (:mod:`dispatcher.model`); a
+    bug, raised before anything changed."""
 
 
 class StateInUse(DispatchError):

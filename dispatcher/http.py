@@ -22,6 +22,11 @@ Routes
     Publish weights; 201 when new, 200 when the same pair was published before; 400 when
     ``path`` is not a readable checkpoint directory (:mod:`dispatcher.checkpoint`).
     ``GET /v1/revisions`` lists them.
+``GET /v1/events``
+    The declared event stream (:mod:`dispatcher.events`; README.md "Events"): JSON lines
+    (``application/x-ndjson``), one event per line as it happens, from a ``subscribed``
+    line holding the loop's state on; ends with a ``dropped`` line for a reader that fell
+    ``EVENT_BUFFER`` events behind, a ``closed`` line when the dispatcher stops.
 ``GET /status`` (JSON), ``GET /metrics`` (Prometheus text).
 
 Errors are ``{"error": {"message", "type", "code"}}``, mapped from the dispatcher's
@@ -63,8 +68,9 @@ from gpu_slicer.dispatcher.errors import (
     StoreFull,
     UnknownRevision,
 )
+from gpu_slicer.dispatcher.events import encode
+from gpu_slicer.dispatcher.model import Result
 from gpu_slicer.dispatcher.serve import LOAD_FAILED, SEND_FAILED
-from gpu_slicer.dispatcher.store import Result
 from gpu_slicer.dispatcher.turns import TurnLoop
 
 __all__ = [
@@ -284,6 +290,17 @@ def build_app(loop: TurnLoop) -> Starlette:
     async def status(request: Request) -> Response:
         return JSONResponse(loop.status())
 
+    async def event_stream(request: Request) -> Response:
+        sub = loop.subscribe()
+
+        async def lines() -> AsyncIterator[bytes]:
+            with sub:  # a reader that went away (the response is cancelled) unsubscribes
+                async for event in sub:
+                    yield encode(event)
+
+        headers = {"cache-control": "no-store"}
+        return StreamingResponse(lines(), media_type="application/x-ndjson", headers=headers)
+
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(
             render_metrics(loop), media_type="text/plain; version=0.0.4; charset=utf-8"
@@ -309,6 +326,7 @@ def build_app(loop: TurnLoop) -> Starlette:
         Route("/v1/samples/{id}", guard(sample), methods=["GET"]),
         Route("/v1/revisions", guard(publish), methods=["POST"]),
         Route("/v1/revisions", guard(revisions), methods=["GET"]),
+        Route("/v1/events", guard(event_stream), methods=["GET"]),
         Route("/status", guard(status), methods=["GET"]),
         Route("/metrics", guard(metrics), methods=["GET"]),
     ]

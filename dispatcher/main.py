@@ -35,16 +35,22 @@ from pathlib import Path
 import click
 import trio
 
-from gpu_slicer.dispatcher.core import WEIGHT_CHECKS
 from gpu_slicer.dispatcher.errors import DispatchError
 from gpu_slicer.dispatcher.http import build_app, serve_http
+from gpu_slicer.dispatcher.model import (
+    MAX_LOAD_FAILURES,
+    MAX_SEND_ERRORS,
+    WEIGHT_CHECKS,
+    TurnConfig,
+)
 from gpu_slicer.dispatcher.owner import StateLock
-from gpu_slicer.dispatcher.serve import MAX_LOAD_FAILURES, MAX_SEND_ERRORS
 from gpu_slicer.dispatcher.store import Store
-from gpu_slicer.dispatcher.turns import TurnConfig, TurnLoop
+from gpu_slicer.dispatcher.turns import TurnLoop
 from gpu_slicer.dispatcher.vllm import Replica
 
 log = logging.getLogger("dispatcher")
+
+EVENTS_CLOSE_GRACE_S = 1.0  # at a stop, for readers of GET /v1/events to get "closed"
 
 
 async def _run(store: Store, replica_url: str, cfg: TurnConfig, bind: str) -> None:
@@ -52,14 +58,18 @@ async def _run(store: Store, replica_url: str, cfg: TurnConfig, bind: str) -> No
         loop = TurnLoop(store, replica, cfg)
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
-            await nursery.start(loop.run)
-            binds = await nursery.start(serve_http, build_app(loop), bind, stop)
-            print(f"listening on {' '.join(binds)}", file=sys.stderr, flush=True)
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for signum in signals:
-                    log.info("%s: stopping", signal.Signals(signum).name)
-                    break
-            stop.set()  # the front stops accepting, then the loop ends its turn (shielded)
+            async with trio.open_nursery() as turns:
+                await turns.start(loop.run)
+                binds = await nursery.start(serve_http, build_app(loop), bind, stop)
+                print(f"listening on {' '.join(binds)}", file=sys.stderr, flush=True)
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.info("%s: stopping", signal.Signals(signum).name)
+                        break
+                stop.set()  # the front stops accepting, then the loop ends its turn (shielded)
+                turns.cancel_scope.cancel()
+            # The turn's end is published; the event streams end with their "closed" line.
+            await loop.events.aclose(EVENTS_CLOSE_GRACE_S)
             nursery.cancel_scope.cancel()
 
 

@@ -1,11 +1,14 @@
 """Serving inside a held turn: load a revision whole, send pending requests, commit.
 
-:class:`Serving` is the half of :class:`~dispatcher.turns.TurnLoop` that runs between
-wake and sleep, plus the state both halves share (the in-flight sends, the retry times,
-the broadcast event ``_changed``). It never acquires, wakes, sleeps or releases: that is
-:mod:`dispatcher.turns`.
+:class:`Serving` owns the requests' side of the dispatcher: the sends in flight, their
+retry times and error counts, each revision's load backoff, the waiters for results, the
+deadlines (:meth:`Serving.expire`) and the broadcast event every wait is woken by
+(:meth:`Serving.signal`). :class:`~dispatcher.turns.TurnLoop` owns one and calls
+:meth:`Serving.serve` between wake and sleep of each turn it holds; Serving never
+acquires, wakes, sleeps or releases, and changes the loop's phase only through the
+``enter`` callable it was given (:mod:`dispatcher.model`'s table).
 
-Inside a turn (:meth:`Serving._serve`)::
+Inside a turn (:meth:`Serving.serve`)::
 
     loop:  revision = _choose()                    core.next_revision, preferring the
                                                    loaded one (no reload)
@@ -27,7 +30,7 @@ which ends the turn (and the next one starts with a recovery).
 No request can take the loop down: any other error while sending one request (a bug, a
 row stored by an older release that cannot be encoded, a store error while counting the
 attempt) fails that send only; the request is retried after ``RETRY_AFTER_S``, and after
-``TurnConfig.max_send_errors`` such errors (``MAX_SEND_ERRORS``, ``--max-send-errors``) it
+``TurnConfig.max_send_errors`` such errors (``model.MAX_SEND_ERRORS``, ``--max-send-errors``) it
 is failed with an error that starts with ``SEND_FAILED`` and names the sample, pool,
 revision and the last error.
 
@@ -37,7 +40,7 @@ skips it meanwhile, so other revisions are loaded and served), and the turn ends
 any broken load (the next one recovers the replica first). A load that a replica still
 healthy right after refused with an HTTP error is the revision's fault (a path deleted by
 a retention policy, unloadable weights); after ``TurnConfig.max_load_failures`` such
-refusals in a row (``MAX_LOAD_FAILURES``, ``--max-load-failures``) every pending request
+refusals in a row (``model.MAX_LOAD_FAILURES``, ``--max-load-failures``) every pending request
 of the revision fails with an error that starts with ``LOAD_FAILED`` and names pool,
 replica, workload, revision, path and the load error. A load with no answer, or one that
 took the replica down, is the replica's fault: it backs off but counts no refusal. A
@@ -59,14 +62,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from gpu_slicer.dispatcher.core import (
-    WEIGHT_CHECKS,
     TurnPlan,
     next_revision,
     request_body,
@@ -74,32 +75,33 @@ from gpu_slicer.dispatcher.core import (
     weight_versions,
 )
 from gpu_slicer.dispatcher.errors import DispatchError, NotFound, ReplicaError, StoreError
-from gpu_slicer.dispatcher.store import Pending, Store
+from gpu_slicer.dispatcher.events import EventStream
+from gpu_slicer.dispatcher.model import (
+    Counters,
+    LoadBackoff,
+    Pending,
+    Phase,
+    Result,
+    TurnConfig,
+    TurnState,
+)
+from gpu_slicer.dispatcher.store import Store
 from gpu_slicer.dispatcher.vllm import CONTROL_TIMEOUT_S, Replica
-from gpu_slicer.slicer.client import Turn
 
 __all__ = [
     "LOAD_BACKOFF_MAX_S",
     "LOAD_BACKOFF_MIN_S",
     "LOAD_FAILED",
-    "MAX_LOAD_FAILURES",
-    "MAX_SEND_ERRORS",
     "NO_WEIGHT_VERSIONS_ERROR",
     "RETRY_AFTER_S",
     "SEND_FAILED",
-    "Counters",
-    "LoadBackoff",
     "Serving",
-    "TurnConfig",
-    "TurnState",
 ]
 
 log = logging.getLogger("dispatcher.serve")
 
 RETRY_AFTER_S = 1.0  # a rejected or failed send is tried again after this
 _PERMANENT = (400, 422)  # vLLM refused the request itself: retrying cannot help
-MAX_SEND_ERRORS = 3  # unexpected errors sending one request before it is failed
-MAX_LOAD_FAILURES = 3  # refused loads of one revision in a row before its requests fail
 LOAD_BACKOFF_MIN_S, LOAD_BACKOFF_MAX_S = 1.0, 30.0  # a revision whose load failed waits
 LOAD_HEALTH_TIMEOUT_S = 5.0  # the /health probe that tells a refusal from a dead replica
 LOAD_FAILED = "load failed"  # how the error of a request failed by its revision starts
@@ -109,72 +111,6 @@ NO_WEIGHT_VERSIONS_ERROR = (
     "return_weight_versions, so no result can be committed; start slicer-dispatch with "
     "--weight-check label"
 )
-
-
-@dataclass(frozen=True)
-class TurnConfig:
-    """What the loop was told (the ``slicer-dispatch`` options)."""
-
-    workload: str
-    socket: str | None = None
-    model: str | None = None  # served model name sent to vLLM; None: vLLM's default
-    turn_seconds: float = 30.0
-    turn_grace: float = 10.0
-    sample_deadline: float = 3600.0
-    concurrency: int = 64
-    acquire_wait: float = 60.0
-    wake_timeout: float = 300.0
-    load_timeout: float = 1800.0
-    sleep_timeout: float = 300.0
-    weight_check: str = "spans"  # one of core.WEIGHT_CHECKS
-    max_send_errors: int = MAX_SEND_ERRORS
-    max_load_failures: int = MAX_LOAD_FAILURES
-    check_revision_paths: bool = True  # publish refuses a path that is no checkpoint dir
-
-    def __post_init__(self) -> None:
-        if self.weight_check not in WEIGHT_CHECKS:
-            raise ValueError(
-                f"weight_check must be one of {WEIGHT_CHECKS}, got {self.weight_check!r}"
-            )
-        for name in ("max_send_errors", "max_load_failures"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
-
-
-@dataclass
-class Counters:
-    """Monotonic counters for /status and /metrics."""
-
-    turns: int = 0
-    turn_errors: int = 0
-    loads: int = 0
-    load_failures: int = 0
-    sends: int = 0
-    commits: int = 0
-    expired: int = 0
-    refused_by_replica: int = 0
-    send_errors: int = 0
-    rejects: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass
-class LoadBackoff:
-    """Failed loads of one revision in a row (clocks are trio's)."""
-
-    failures: int = 0  # every failed load: the backoff doubles with each
-    refused: int = 0  # of them, refused by a healthy replica (the revision's fault)
-    retry_at: float = 0.0
-    error: str = ""
-
-
-@dataclass
-class TurnState:
-    """The held turn as the loop sees it (clocks are trio's)."""
-
-    turn: Turn
-    waiting_seen_at: float | None = None  # trio clock
-    serving_since: float | None = None  # trio clock
-    replica_failed: str | None = None
 
 
 def _reject_reason(
@@ -203,34 +139,94 @@ def _no_weight_versions_at_all(body: dict[str, Any]) -> bool:
 
 
 class Serving:
-    """The serving half of the turn loop and the state it shares with the other half."""
+    """The requests' side of the dispatcher (module docstring).
 
-    def __init__(self, store: Store, replica: Replica, cfg: TurnConfig) -> None:
+    ``counters`` and ``events`` are sinks it reports to; ``enter`` changes the turn
+    loop's phase (the loop's own check of the table)."""
+
+    def __init__(
+        self,
+        store: Store,
+        replica: Replica,
+        cfg: TurnConfig,
+        *,
+        counters: Counters,
+        events: EventStream,
+        enter: Callable[[Phase], None],
+    ) -> None:
         self.store = store
         self.replica = replica
         self.cfg = cfg
-        self.counters = Counters()
-        self.state = "idle"
-        self._needs_recover = True  # first sight of the replica
+        self.counters = counters
+        self.events = events
+        self._enter = enter
         self._changed = trio.Event()
         self._finished: dict[str, trio.Event] = {}
         self._in_flight: dict[str, trio.CancelScope] = {}
         self._retry_at: dict[str, float] = {}
-        self._current: TurnState | None = None
         self._told_no_weight_versions = False  # the error is logged once per loop
         self._send_errors: dict[str, int] = {}  # id -> unexpected errors of its sends
         self._load_backoff: dict[str, LoadBackoff] = {}  # revision -> its failed loads
 
-    # -- plumbing --------------------------------------------------------------------
+    # -- waiting ---------------------------------------------------------------------
 
-    def _signal(self) -> None:
+    def signal(self) -> None:
+        """Wake every :meth:`wait_change` (something to do may have changed)."""
         self._changed.set()
         self._changed = trio.Event()
 
-    async def _wait_change(self, timeout: float) -> None:
+    async def wait_change(self, timeout: float) -> None:
+        """Wait for the next :meth:`signal`, at most ``timeout`` seconds."""
         event = self._changed
         with trio.move_on_after(max(0.0, timeout)):
             await event.wait()
+
+    async def wait_result(self, id: str, timeout: float) -> Result:
+        """The sample ``id`` once it is finished, or as it stands after ``timeout`` s."""
+        result = self.store.get(id)
+        if result.status == "pending" and timeout > 0:
+            event = self._finished.setdefault(id, trio.Event())
+            with trio.move_on_after(timeout):
+                await event.wait()
+            result = self.store.get(id)
+        return result
+
+    @property
+    def in_flight(self) -> int:
+        """How many sends are in flight now."""
+        return len(self._in_flight)
+
+    def load_backoff(self, now: float) -> dict[str, dict[str, Any]]:
+        """The revisions whose loads are backed off, for ``/status`` (``now``: trio's)."""
+        return {
+            rev: {
+                "failures": b.failures,
+                "refused": b.refused,
+                "retry_in_s": round(max(0.0, b.retry_at - now), 3),
+                "error": b.error,
+            }
+            for rev, b in self._load_backoff.items()
+        }
+
+    def expire(self, now: float) -> None:
+        """Fail the requests past their deadline at ``now`` (wall clock) and cancel their
+        sends. Raises :class:`DispatchError` when the store cannot say which."""
+        expired = self.store.expire(now)
+        for p in expired:
+            self.counters.expired += 1
+            scope = self._in_flight.get(p.id)
+            if scope is not None:
+                scope.cancel()
+            error = self.store.deadline_error(p, now)
+            log.warning("%s", error + f" (id {p.id})")
+            self._failed_event(p, error)
+            self._done(p.id)
+        if expired:
+            self.signal()
+
+    def _failed_event(self, p: Pending, error: str) -> None:
+        self.events.publish("failed", id=p.id, revision=p.revision, error=error,
+                            pending=self.store.counts()["pending"])  # fmt: skip
 
     def _done(self, id: str) -> None:
         self._retry_at.pop(id, None)
@@ -249,7 +245,7 @@ class Serving:
         b = self._load_backoff.get(revision)
         return b is None or b.retry_at <= now or revision == self.replica.known_version
 
-    def _load_wait(self, now: float) -> float | None:
+    def load_wait(self, now: float) -> float | None:
         """Seconds until a pending revision may be loaded, when every one is backed off;
         None when one may be served now (or nothing is pending)."""
         revs = self.store.pending_revisions()
@@ -270,9 +266,11 @@ class Serving:
             return others[0] if others else want
         return want
 
-    async def _serve(self, cur: TurnState) -> str:
-        """Load and send until the turn should end; returns why it ended."""
+    async def serve(self, cur: TurnState) -> str:
+        """Load and send in the held turn ``cur`` until it should end; returns why it
+        ended ("idle", "waiting", "backoff" or "replica-error")."""
         n = cur.turn.turn
+        serving: str | None = None  # the revision served since the last phase change
         async with trio.open_nursery() as sends:
             while True:
                 now = trio.current_time()
@@ -294,26 +292,30 @@ class Serving:
                     break
                 if want is not None and want != self.replica.known_version:
                     if not self._in_flight:  # loads are whole, and never under a send
+                        serving = None
                         await self._load(cur, want)
                         continue
                 elif want is not None:
+                    if serving != want:  # the turn's first, or a load came between
+                        serving = want
+                        self._enter(Phase.SERVING)
+                        self.events.publish("serving", turn=n, revision=want, pending=pending)
                     if cur.serving_since is None:
                         cur.serving_since = now
-                        self.state = "serving"
                         log.info("turn %d: serving revision %s (%d pending)", n, want, pending)
-                    self._fill(sends, want, now)
+                    self._fill(sends, cur, want, now)
                 ends = TurnPlan(self.cfg.turn_seconds).ends_at(
                     cur.serving_since or now, cur.waiting_seen_at
                 )
                 timeout = RETRY_AFTER_S if ends is None else min(RETRY_AFTER_S, ends - now)
-                await self._wait_change(timeout)
+                await self.wait_change(timeout)
             if self._in_flight:
-                self.state = "grace"
+                self._enter(Phase.GRACE)
                 log.info("turn %d: ending (%s); %d send(s) in flight get %g s", n, reason,
                          len(self._in_flight), self.cfg.turn_grace)  # fmt: skip
                 with trio.move_on_after(self.cfg.turn_grace):
                     while self._in_flight:
-                        await self._wait_change(RETRY_AFTER_S)
+                        await self.wait_change(RETRY_AFTER_S)
                 if self._in_flight:
                     log.info("turn %d: cancelling %d send(s); they stay pending", n,
                              len(self._in_flight))  # fmt: skip
@@ -321,24 +323,37 @@ class Serving:
         return reason
 
     async def _load(self, cur: TurnState, revision: str) -> None:
-        self.state = "loading"
+        self._enter(Phase.LOADING)
+        n = cur.turn.turn
         rev = self.store.revision(revision)
         t0 = time.monotonic()
-        log.info("turn %d: loading revision %s from %s", cur.turn.turn, revision, rev.path)
+        log.info("turn %d: loading revision %s from %s", n, revision, rev.path)
+        self.events.publish("load_begin", turn=n, revision=revision, path=rev.path)
         try:
             await self.replica.load(revision, rev.path, self.cfg.load_timeout)
         except ReplicaError as e:
+            self._load_end(n, revision, t0, str(e))
             self.counters.load_failures += 1
-            self._needs_recover = True
+            cur.load_broke = True
             # A refusal by a replica still healthy right after is the revision's fault;
             # no answer, or a replica that died with the load, is the replica's.
             refused = e.status is not None and await self.replica.health(LOAD_HEALTH_TIMEOUT_S)
             self._load_failed(revision, rev.path, e, refused)
             raise
+        except BaseException as e:  # cancelled (the dispatcher stops): the load is no more
+            self._load_end(n, revision, t0, f"{type(e).__name__}: {e}".rstrip(": "))
+            raise
+        self._load_end(n, revision, t0, None)
         self._load_backoff.pop(revision, None)
         self.counters.loads += 1
-        log.info("turn %d: loaded revision %s in %.3f s", cur.turn.turn, revision,
+        log.info("turn %d: loaded revision %s in %.3f s", n, revision,
                  time.monotonic() - t0)  # fmt: skip
+
+    def _load_end(self, n: int, revision: str, t0: float, error: str | None) -> None:
+        took = round(time.monotonic() - t0, 6)
+        extra = {} if error is None else {"error": error}
+        self.events.publish("load_end", turn=n, revision=revision, ok=error is None,
+                            duration_s=took, **extra)  # fmt: skip
 
     def _load_failed(self, revision: str, path: str, e: ReplicaError, refused: bool) -> None:
         """Back ``revision`` off after a failed load; after ``max_load_failures`` refusals
@@ -364,10 +379,11 @@ class Serving:
         log.error("%s; failing its %d pending request(s)", msg, len(failed))
         for p in failed:
             self.store.fail(p.id, msg)
+            self._failed_event(p, msg)
             self._done(p.id)
         del self._load_backoff[revision]  # a later request starts afresh (the path may be back)
 
-    def _fill(self, sends: trio.Nursery, revision: str, now: float) -> None:
+    def _fill(self, sends: trio.Nursery, cur: TurnState, revision: str, now: float) -> None:
         free = self.cfg.concurrency - len(self._in_flight)
         if free <= 0:
             return
@@ -377,23 +393,23 @@ class Serving:
             if self._sendable(p, now):
                 scope = trio.CancelScope()
                 self._in_flight[p.id] = scope
-                sends.start_soon(self._send, p, scope, self.replica.epoch)
+                sends.start_soon(self._send, cur, p, scope, self.replica.epoch)
                 free -= 1
 
-    async def _send(self, p: Pending, scope: trio.CancelScope, epoch: int) -> None:
-        """Send ``p`` once; commit the answer only if core.result_ok says so. Any error
-        but a cancellation ends this send only (:meth:`_send_error`)."""
+    async def _send(self, cur: TurnState, p: Pending, scope: trio.CancelScope, epoch: int) -> None:
+        """Send ``p`` once in turn ``cur``; commit the answer only if core.result_ok says
+        so. Any error but a cancellation ends this send only (:meth:`_send_error`)."""
         try:
             with scope:
                 try:
-                    await self._send_once(p, epoch)
+                    await self._send_once(cur, p, epoch)
                 except Exception as e:  # ReplicaError is handled inside: this is the rest
                     self._send_error(p, e)
         finally:
             self._in_flight.pop(p.id, None)
-            self._signal()
+            self.signal()
 
-    async def _send_once(self, p: Pending, epoch: int) -> None:
+    async def _send_once(self, cur: TurnState, p: Pending, epoch: int) -> None:
         try:
             self.store.attempt(p.id)
         except NotFound:
@@ -406,7 +422,7 @@ class Serving:
         try:
             answer = await self.replica.complete(p.kind, body, timeout)
         except ReplicaError as e:
-            self._send_failed(p, e)
+            self._send_failed(cur, p, e)
             return
         label: str | None = None
         if self.cfg.weight_check == "label" and self.store.is_pending(p.id):
@@ -415,9 +431,9 @@ class Serving:
             try:
                 label = await self.replica.weight_version(bound)
             except ReplicaError as e:
-                self._send_failed(p, e, refusal=False)
+                self._send_failed(cur, p, e, refusal=False)
                 return
-        self._judge(p, answer, epoch, label)
+        self._judge(cur, p, answer, epoch, label)
 
     def _send_error(self, p: Pending, e: Exception) -> None:
         """An unexpected error ended a send of ``p``: retry it later, and fail it after
@@ -443,9 +459,12 @@ class Serving:
             log.error("%s: cannot store its failure (%s); tried again later", p.id, se)
             self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
             return
+        self._failed_event(p, msg)
         self._done(p.id)
 
-    def _judge(self, p: Pending, answer: dict[str, Any], epoch: int, label: str | None) -> None:
+    def _judge(
+        self, cur: TurnState, p: Pending, answer: dict[str, Any], epoch: int, label: str | None
+    ) -> None:
         """Commit ``answer`` as ``p``'s result if core.result_ok says so (``label``: the
         ``/weight_info`` label read after it in label mode, else None)."""
         if not self.store.is_pending(p.id):
@@ -454,6 +473,9 @@ class Serving:
         if result_ok(p, answer, loaded, epoch, self.replica.epoch, label):
             self.store.complete(p.id, answer)  # as vLLM returned it
             self.counters.commits += 1
+            self.events.publish("committed", turn=cur.turn.turn, id=p.id, revision=p.revision,
+                                commits=self.counters.commits,
+                                pending=self.store.counts()["pending"])  # fmt: skip
             self._done(p.id)
             return
         reason = _reject_reason(answer, p, epoch, self.replica.epoch, label)
@@ -470,18 +492,22 @@ class Serving:
         log.warning("%s (revision %s): result not committed (%s); stays pending", p.id,
                     p.revision, reason)  # fmt: skip
 
-    def _send_failed(self, p: Pending, e: ReplicaError, *, refusal: bool = True) -> None:
-        """A send (or, ``refusal`` False, its ``/weight_info`` check) failed: retry it
-        later, marking the replica failed on a 5xx or no answer. With ``refusal`` vLLM's
-        400/422 fails the request for good; a failed check never does."""
+    def _send_failed(
+        self, cur: TurnState, p: Pending, e: ReplicaError, *, refusal: bool = True
+    ) -> None:
+        """A send in turn ``cur`` (or, ``refusal`` False, its ``/weight_info`` check)
+        failed: retry it later, marking the replica failed on a 5xx or no answer. With
+        ``refusal`` vLLM's 400/422 fails the request for good; a failed check never does."""
         if refusal and e.status in _PERMANENT and self.store.is_pending(p.id):
             self.counters.refused_by_replica += 1
-            self.store.fail(p.id, f"refused by the replica (HTTP {e.status}): {e}")
+            error = f"refused by the replica (HTTP {e.status}): {e}"
+            self.store.fail(p.id, error)
+            self._failed_event(p, error)
             self._done(p.id)
             return
         self.counters.rejects["error"] += 1
         self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
         log.warning("%s: send failed (%s); stays pending", p.id, e)
-        if (e.status is None or e.status >= 500) and self._current is not None:
-            self._current.replica_failed = str(e)
-            self._signal()
+        if e.status is None or e.status >= 500:
+            cur.replica_failed = str(e)
+            self.signal()

@@ -39,7 +39,6 @@ import sqlite3
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +51,9 @@ from gpu_slicer.dispatcher.errors import (
     StoreFull,
     UnknownRevision,
 )
+from gpu_slicer.dispatcher.model import Pending, Result, Revision
 
-__all__ = [
+__all__ = [  # Pending, Result and Revision are dispatcher.model's, returned by the store
     "DB_NAME",
     "REVISION_RE",
     "Pending",
@@ -86,43 +86,6 @@ CREATE TABLE IF NOT EXISTS sample (
     body TEXT, error TEXT, finished_at REAL);
 CREATE INDEX IF NOT EXISTS sample_pending ON sample (pool, status);
 """
-
-
-@dataclass(frozen=True)
-class Revision:
-    """A published weight revision: its name and the checkpoint directory to load."""
-
-    name: str
-    path: str
-    published_at: float
-
-
-@dataclass
-class Pending:
-    """One accepted request that has no result yet (see the module docstring)."""
-
-    id: str
-    pool: str
-    revision: str
-    kind: str  # "completion" | "chat"
-    params: dict[str, Any]  # the OpenAI body minus prompt/messages/stream/model/revision
-    prompt: array.array[int] | bytes | None  # token ids, or the UTF-8 text prompt
-    messages: bytes | None  # compact JSON of the chat messages (kind == "chat")
-    accepted_at: float  # wall clock, time.time()
-    deadline: float  # wall clock
-    attempts: int
-
-
-@dataclass(frozen=True)
-class Result:
-    """What :meth:`Store.get` knows about a sample id."""
-
-    id: str
-    status: str  # "pending" | "done" | "failed"
-    body: dict[str, Any] | None
-    error: str | None
-    revision: str
-    pool: str
 
 
 def _check_name(what: str, name: object) -> str:

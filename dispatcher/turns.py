@@ -2,12 +2,16 @@
 
 Theory of operation
 -------------------
-:class:`TurnLoop` owns one vLLM replica (a :class:`~dispatcher.vllm.Replica`) and one
-slicerd connection. It never polls: it waits on ``_changed`` (a broadcast event set by
-:meth:`TurnLoop.accept`, by every finished send and by a WAITING event), bounded by one
+:class:`TurnLoop` owns one vLLM replica (a :class:`~dispatcher.vllm.Replica`), one
+slicerd connection, the loop's :class:`~dispatcher.model.Phase` and its
+:class:`~dispatcher.events.EventStream`, and one :class:`~dispatcher.serve.Serving`, the
+requests' side, which it calls between wake and sleep. It never polls: it waits on the
+Serving's broadcast event (:meth:`Serving.signal <dispatcher.serve.Serving.signal>`, set
+by :meth:`TurnLoop.accept`, by every finished send and by a WAITING event), bounded by one
 second so a rejected send is retried and a missed wake-up costs at most a second. A
-separate ticker expires deadlines every second (``Store.expire``) and cancels the send of
-an expired request through that request's own cancel scope.
+separate ticker expires deadlines every second (:meth:`Serving.expire
+<dispatcher.serve.Serving.expire>`), which cancels the send of an expired request through
+that request's own cancel scope.
 
 A turn, while anything is pending (each phase is logged with its duration)::
 
@@ -26,8 +30,10 @@ A turn, while anything is pending (each phase is logged with its duration)::
     sleep(level=1, mode=abort)                    <= sleep_timeout, shielded
     RELEASE                                       shielded, bounded
 
-The serving part of a turn (load, send, commit, grace) is :class:`~dispatcher.serve.Serving`,
-which :class:`TurnLoop` extends with the front door, the ticker and the turn's frame.
+The serving part of a turn (load, send, commit, grace) is :class:`~dispatcher.serve.Serving`;
+:class:`TurnLoop` holds the front door, the ticker and the turn's frame. Every phase change
+of either goes through :meth:`TurnLoop._enter`, which checks :mod:`dispatcher.model`'s
+table and publishes the change (``GET /v1/events``), as are the turn's steps.
 
 The end of a turn (sleep, then RELEASE) runs shielded from cancellation, so SIGTERM
 during a turn still puts vLLM to sleep and hands the GPU back before the process exits.
@@ -52,12 +58,23 @@ import trio
 from gpu_slicer import proto
 from gpu_slicer.dispatcher.checkpoint import check_checkpoint_dir, check_path_text
 from gpu_slicer.dispatcher.errors import DispatchError, ReplicaError, StoreError, UnknownRevision
-from gpu_slicer.dispatcher.serve import Counters, Serving, TurnConfig, TurnState
-from gpu_slicer.dispatcher.store import Pending, Result, Revision, Store, check_revision_name
+from gpu_slicer.dispatcher.events import EventStream, Subscription
+from gpu_slicer.dispatcher.model import (
+    Counters,
+    Pending,
+    Phase,
+    Result,
+    Revision,
+    TurnConfig,
+    TurnState,
+    check_transition,
+)
+from gpu_slicer.dispatcher.serve import Serving
+from gpu_slicer.dispatcher.store import Store, check_revision_name
 from gpu_slicer.dispatcher.vllm import Replica
 from gpu_slicer.slicer.client import AsyncSlicer, ClientError
 
-__all__ = ["Counters", "TurnConfig", "TurnLoop"]
+__all__ = ["TurnLoop"]
 
 log = logging.getLogger("dispatcher.turns")
 
@@ -78,11 +95,17 @@ async def _connect_default(path: str | None) -> AsyncSlicer:
     return await AsyncSlicer.connect(path)
 
 
-class TurnLoop(Serving):
+def _since(t0: float) -> float:
+    return round(time.monotonic() - t0, 6)
+
+
+class TurnLoop:
     """The pending queue's front door and the turn loop of one replica.
 
     ``connect`` makes a new slicerd connection (injectable for tests); the loop keeps one
-    connection open across turns and makes a new one after it broke.
+    connection open across turns and makes a new one after it broke. ``serving`` is the
+    requests' side (:class:`~dispatcher.serve.Serving`), ``events`` the declared event
+    stream (a new one unless given), ``phase`` where the loop is.
     """
 
     def __init__(
@@ -92,18 +115,48 @@ class TurnLoop(Serving):
         cfg: TurnConfig,
         *,
         connect: Callable[[], Awaitable[AsyncSlicer]] | None = None,
+        events: EventStream | None = None,
     ) -> None:
-        super().__init__(store, replica, cfg)
+        self.store = store
+        self.replica = replica
+        self.cfg = cfg
+        self.counters = Counters()
+        self.events = events or EventStream()
+        self.phase = Phase.IDLE
         self.turn: int | None = None
+        self.serving = Serving(
+            store, replica, cfg, counters=self.counters, events=self.events, enter=self._enter
+        )
+        self._current: TurnState | None = None
+        self._needs_recover = True  # first sight of the replica
         self._connect = connect or (lambda: _connect_default(cfg.socket))
         self._slicer: AsyncSlicer | None = None
+
+    def _enter(self, phase: Phase) -> None:
+        """The one place the phase changes: checked against :data:`model.TRANSITIONS
+        <dispatcher.model.TRANSITIONS>` (raising before anything changed), then published."""
+        if check_transition(self.phase, phase):
+            previous, self.phase = self.phase, phase
+            self.events.publish("phase", phase=phase.value, previous=previous.value,
+                                turn=self.turn)  # fmt: skip
+
+    def subscribe(self) -> Subscription:
+        """A new reader of :attr:`events`; its first event, ``subscribed``, holds the
+        loop's state now (``GET /v1/events``)."""
+        return self.events.subscribe(
+            pool=self.store.pool,
+            workload=self.cfg.workload,
+            phase=self.phase.value,
+            turn=self.turn,
+            loaded_revision=self.replica.known_version,
+        )
 
     # -- the front door (called by the HTTP front) -----------------------------------
 
     def accept(self, kind: str, body: dict[str, Any]) -> Pending:
         """Validate and journal a request, then wake the loop. Raises DispatchError."""
         p = self.store.accept(kind, body, None, self.cfg.sample_deadline)
-        self._signal()
+        self.serving.signal()
         return p
 
     def publish(self, revision: str, path: str) -> tuple[Revision, bool]:
@@ -123,18 +176,12 @@ class TurnLoop(Serving):
         except UnknownRevision:
             created = True
         rev = self.store.publish(revision, path)
-        self._signal()
+        self.serving.signal()
         return rev, created
 
     async def wait_result(self, id: str, timeout: float) -> Result:
         """The sample ``id`` once it is finished, or as it stands after ``timeout`` s."""
-        result = self.store.get(id)
-        if result.status == "pending" and timeout > 0:
-            event = self._finished.setdefault(id, trio.Event())
-            with trio.move_on_after(timeout):
-                await event.wait()
-            result = self.store.get(id)
-        return result
+        return await self.serving.wait_result(id, timeout)
 
     def status(self) -> dict[str, Any]:
         """The loop's state for ``GET /status``."""
@@ -152,25 +199,17 @@ class TurnLoop(Serving):
             "weight_check": self.cfg.weight_check,
             "loaded_revision": self.replica.known_version,
             "newest_revision": newest.name if newest else None,
-            "state": self.state,
+            "state": self.phase.value,
             "turn": self.turn,
             "waiting_seen": bool(cur and cur.waiting_seen_at is not None),
-            "in_flight": len(self._in_flight),
+            "in_flight": self.serving.in_flight,
             "pending": {r: len(self.store.pending(r)) for r in self.store.pending_revisions()},
             "counts": self.store.counts(),
             "pending_prompt_tokens": tokens,
             "pending_prompt_bytes": token_bytes,
             "counters": {**vars(self.counters), "rejects": dict(self.counters.rejects)},
             "store": self.store.health(),
-            "load_backoff": {
-                rev: {
-                    "failures": b.failures,
-                    "refused": b.refused,
-                    "retry_in_s": round(max(0.0, b.retry_at - now), 3),
-                    "error": b.error,
-                }
-                for rev, b in self._load_backoff.items()
-            },
+            "load_backoff": self.serving.load_backoff(now),
         }
 
     # -- plumbing --------------------------------------------------------------------
@@ -197,32 +236,22 @@ class TurnLoop(Serving):
         """Every second: fail requests past their deadline, cancel their sends."""
         while True:
             try:
-                expired = self.store.expire(time.time())
+                self.serving.expire(time.time())
             except DispatchError as e:
                 log.error("expire failed (retried in 1 s): %s", e)
-                expired = []
-            for p in expired:
-                self.counters.expired += 1
-                scope = self._in_flight.get(p.id)
-                if scope is not None:
-                    scope.cancel()
-                log.warning("%s", self.store.deadline_error(p, time.time()) + f" (id {p.id})")
-                self._done(p.id)
-            if expired:
-                self._signal()
             await trio.sleep(1.0)
 
     async def _loop(self) -> None:
         backoff = BACKOFF_MIN_S
         while True:
             if not self.store.counts()["pending"]:
-                self.state = "idle"
-                await self._wait_change(1.0)
+                self._enter(Phase.IDLE)
+                await self.serving.wait_change(1.0)
                 continue
-            wait = self._load_wait(trio.current_time())
+            wait = self.serving.load_wait(trio.current_time())
             if wait is not None:
-                self.state = "backoff"  # no turn only to find every revision backed off
-                await self._wait_change(min(wait, 1.0))
+                self._enter(Phase.BACKOFF)  # no turn only to find every revision backed off
+                await self.serving.wait_change(min(wait, 1.0))
                 continue
             failed: list[Exception] = []
             try:
@@ -236,10 +265,12 @@ class TurnLoop(Serving):
                 backoff = BACKOFF_MIN_S
                 continue
             self.counters.turn_errors += 1
-            self.state = "backoff"
+            self._enter(Phase.BACKOFF)
             e = failed[0]
             store = any(isinstance(x, StoreError) for x in failed)
             log.error("turn failed (%s: %s); retrying in %.1f s", type(e).__name__, e, backoff)
+            self.events.publish("turn_failed", error=f"{type(e).__name__}: {e}",
+                                retry_in_s=backoff)  # fmt: skip
             await trio.sleep(backoff)
             backoff = min(backoff * 2, STORE_BACKOFF_MAX_S if store else BACKOFF_MAX_S)
 
@@ -247,7 +278,7 @@ class TurnLoop(Serving):
         if self._slicer is None:
             self._slicer = await self._connect()
         slicer = self._slicer
-        self.state = "acquiring"
+        self._enter(Phase.ACQUIRING)
         t0 = time.monotonic()
         try:
             turn = await slicer.acquire(self.cfg.workload, wait=self.cfg.acquire_wait)
@@ -270,12 +301,14 @@ class TurnLoop(Serving):
         self.counters.turns += 1
         log.info("turn %d: granted after %.3f s (restored=%d)", turn.turn,
                  time.monotonic() - t0, turn.restored)  # fmt: skip
+        self.events.publish("granted", turn=turn.turn, wait_s=_since(t0),
+                            restored=turn.restored)  # fmt: skip
         reason = "error"
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read_events, slicer, cur)
                 await self._prepare(cur)
-                reason = await self._serve(cur)
+                reason = await self.serving.serve(cur)
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
@@ -289,45 +322,55 @@ class TurnLoop(Serving):
                 if cur.waiting_seen_at is None:
                     cur.waiting_seen_at = trio.current_time()
                     log.info("turn %d: WAITING (%d waiter(s))", msg.turn, msg.waiters)
-                    self._signal()
+                    self.events.publish("waiting", turn=msg.turn, waiters=msg.waiters)
+                    self.serving.signal()
             elif isinstance(msg, proto.Fault):
                 log.warning("FAULT for %s (the registrant handles it)", msg.workload)
 
     async def _prepare(self, cur: TurnState) -> None:
+        n = cur.turn.turn
         if self._needs_recover:
-            self.state = "recovering"
+            self._enter(Phase.RECOVERING)
             t0 = time.monotonic()
             await self.replica.recover()
             self._needs_recover = False
-            log.info("turn %d: recovered the replica in %.3f s", cur.turn.turn,
-                     time.monotonic() - t0)  # fmt: skip
-        self.state = "waking"
+            log.info("turn %d: recovered the replica in %.3f s", n, time.monotonic() - t0)
+            self.events.publish("recovered", turn=n, duration_s=_since(t0))
+        self._enter(Phase.WAKING)
         t0 = time.monotonic()
         await self.replica.wake(self.cfg.wake_timeout)
-        log.info("turn %d: woke in %.3f s", cur.turn.turn, time.monotonic() - t0)
+        log.info("turn %d: woke in %.3f s", n, time.monotonic() - t0)
+        self.events.publish("woke", turn=n, duration_s=_since(t0))
 
     # -- ending a turn ---------------------------------------------------------------
 
     async def _end_turn(self, slicer: AsyncSlicer, cur: TurnState, reason: str) -> None:
         """Sleep the replica, then RELEASE (runs shielded; every step bounded)."""
         n = cur.turn.turn
-        if reason == "replica-error":
+        if reason == "replica-error" or cur.load_broke:
             self._needs_recover = True  # perhaps a new replica process: first sight again
-        self.state = "sleeping"
+        self._enter(Phase.SLEEPING)
         t0 = time.monotonic()
         try:
             await self.replica.sleep(level=1, mode="abort", timeout=self.cfg.sleep_timeout)
             log.info("turn %d: slept the replica in %.3f s", n, time.monotonic() - t0)
+            self.events.publish("slept", turn=n, duration_s=_since(t0), ok=True)
         except ReplicaError as e:
             log.error("turn %d: sleep failed: %s", n, e)
-        self.state = "releasing"
+            self.events.publish("slept", turn=n, duration_s=_since(t0), ok=False, error=str(e))
+        self._enter(Phase.RELEASING)
+        released: str | None = "the slicerd connection broke during the turn"
         if self._slicer is slicer:
             try:
                 with trio.fail_after(RELEASE_TIMEOUT_S):
-                    await slicer.release(self.cfg.workload, n)
+                    await slicer.release(cur.turn)
                 log.info("turn %d: released (%s)", n, reason)
+                released = None
             except (ClientError, trio.TooSlowError) as e:
                 log.error("turn %d: RELEASE failed (%s); dropping the connection", n, e)
+                released = f"RELEASE failed: {e}"
                 await self._drop_connection()
+        extra = {} if released is None else {"error": released}
+        self.events.publish("released", turn=n, reason=reason, ok=released is None, **extra)
         self._current, self.turn = None, None
-        self.state = "idle"
+        self._enter(Phase.IDLE)

@@ -124,5 +124,25 @@ def vllm(**kw: Any) -> None:
     _launch(kw, VllmProfile(vcfg, kw["workload"]))
 
 
+def slicerctl_run() -> click.Command:
+    """`slicer-launch run` as `slicerctl run` (entry point group `gpu_slicer.slicerctl`):
+    the launcher's options, help and code; only `--socket` is left out, the group's is
+    passed instead."""
+    base = run
+
+    @click.pass_context
+    def callback(ctx: click.Context, /, **kw: Any) -> None:
+        ctx.invoke(base, socket=ctx.obj, **kw)  # exits with the launcher's code
+
+    return click.Command(
+        "run",
+        callback=callback,
+        params=[p for p in base.params if p.name != "socket"],
+        help=base.help,
+        short_help="Run COMMAND as a registered workload (slicer-launch run).",
+        context_settings=base.context_settings,
+    )
+
+
 if __name__ == "__main__":
     main()

@@ -7,10 +7,11 @@ The workload lives exactly as long as this connection, so the launcher keeps it 
 while the child runs and closes it when the child is gone. It is registered with the
 launcher's own pid and `tree=1`: every process the child spawns, at any depth, counts.
 
-One task (`serve`) owns reading the connection: a FAULT may arrive at any moment and
-must reach the supervisor at once. After REGISTER the only request sent on it is the
-`PARKED` answer to a `PARK` (a boot turn uses a connection of its own): a task of its own
-parks the workload and sends the answer, and `serve` reads the reply like any line.
+One task (`serve`) reads the connection's FAULT, WAITING and PARK lines: a FAULT may
+arrive at any moment and must reach the supervisor at once. After REGISTER the only
+request sent on it is the `PARKED` answer to a `PARK` (a boot turn uses a connection of
+its own): a task of its own parks the workload and sends the answer, and the client's
+session hands that task its reply, whichever of the two tasks read it.
 
 When the connection drops (slicerd restarted, crashed, or closed us), `serve` reconnects
 with exponential backoff (`backoff_min` .. `backoff_max`, each attempt bounded by
@@ -29,7 +30,7 @@ import trio
 
 from gpu_slicer import proto
 from gpu_slicer.launcher.config import LaunchConfig, log
-from gpu_slicer.slicer.client import AsyncSlicer, ClientError, Unreachable, socket_path
+from gpu_slicer.slicer.client import AsyncSlicer, ClientError, Faulted, Unreachable, socket_path
 
 
 def _why(e: BaseException) -> str:
@@ -146,10 +147,6 @@ class Registration:
                             log.debug("WAITING turn=%d waiters=%d", msg.turn, msg.waiters)
                         elif isinstance(msg, proto.ParkAsk):
                             parks.start_soon(self._park, self.conn, msg)
-                        elif isinstance(msg, proto.Err):
-                            # The reply to a PARKED (the only request sent after REGISTER):
-                            # not-asked means slicerd's window passed and it went on.
-                            log.warning("PARKED answer refused: %s %s", msg.code, msg.text)
                 except (Unreachable, proto.ProtocolError) as e:
                     log.warning("lost slicerd (%s): reconnecting", e)
                 conn, self.conn = self.conn, None
@@ -167,12 +164,17 @@ class Registration:
                     ok = await self.on_park(window)
             except Exception as e:  # whatever broke, slicerd must get an answer
                 log.error("park failed: %s", _why(e))
-        # Sent only: the connection's one reader (`serve`) takes the reply.
         try:
             with trio.fail_after(self.cfg.request_timeout):
-                await conn.send(proto.Parked(ask.workload, ask.turn, ok))
-        except (Unreachable, trio.TooSlowError) as e:
+                await conn.parked(ask.workload, ask.turn, ok)
+        except (Unreachable, proto.ProtocolError, trio.TooSlowError) as e:
+            # A broken connection is `serve`'s to notice and re-make.
             log.warning("PARKED answer not sent: %s", _why(e))
+        except Faulted as e:  # `serve` takes the FAULT line itself
+            log.warning("PARKED answered while faulted: %s", e)
+        except ClientError as e:
+            # not-asked: slicerd's window passed and it went on.
+            log.warning("PARKED answer refused: %s %s", e.code, e.text)
 
     async def aclose(self) -> None:
         """Close the connection: the daemon ends the registration."""

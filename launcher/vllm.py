@@ -217,7 +217,7 @@ class VllmProfile(Profile):
         assert self._boot is not None and self._turn is not None
         try:
             with trio.fail_after(self.cfg.sleep_timeout):
-                out = await self._boot.release(self.workload, self._turn.turn, park="now")
+                out = await self._boot.release(self._turn, park="now")
         except Unreachable as e:
             log.warning("lost slicerd before RELEASE (%s): the turn ended with it", e)
         except ClientError as e:

@@ -2,11 +2,15 @@
 
 Bytes in, messages out: `LineBuffer` splits a stream into lines, `parse_request` and
 `parse_server_line` turn a line into a message, `encode` turns a message into a line.
-Nothing here does I/O, and the only exception raised is `ProtocolError`.
+`ClientSession` is a whole client connection's side of the protocol (reply ordering,
+FAULT/WAITING/PARK/EVENT lines, ERR -> `ClientError`), for transports to drive.
+Nothing here does I/O. Parsing and encoding raise only `ProtocolError`; the session adds
+the client's errors (`ClientError`, `Faulted`, `Unreachable`, `RemoteProtocolError`).
 """
 
+from gpu_slicer.proto.client_errors import ClientError, Faulted, Unreachable
 from gpu_slicer.proto.codec import encode
-from gpu_slicer.proto.errors import ErrorCode, LineTooLong, ProtocolError
+from gpu_slicer.proto.errors import ErrorCode, LineTooLong, ProtocolError, RemoteProtocolError
 from gpu_slicer.proto.framing import LineBuffer
 from gpu_slicer.proto.messages import (
     Acquire,
@@ -33,6 +37,7 @@ from gpu_slicer.proto.messages import (
 )
 from gpu_slicer.proto.replies import parse_server_line
 from gpu_slicer.proto.requests import parse_request
+from gpu_slicer.proto.session import Call, ClientSession, Turn
 from gpu_slicer.proto.values import (
     MAX_LINE,
     MAX_SERVER_LINE,
@@ -51,10 +56,14 @@ __all__ = [
     "PARKED_MAX_LIMIT",
     "PROTO_VERSION",
     "Acquire",
+    "Call",
+    "ClientError",
+    "ClientSession",
     "Err",
     "ErrorCode",
     "Event",
     "Fault",
+    "Faulted",
     "Hello",
     "LineBuffer",
     "LineTooLong",
@@ -68,10 +77,13 @@ __all__ = [
     "Register",
     "Release",
     "ReleasePark",
+    "RemoteProtocolError",
     "Reply",
     "Request",
     "ServerMessage",
     "Status",
+    "Turn",
+    "Unreachable",
     "Unregister",
     "Waiting",
     "Watch",

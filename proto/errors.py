@@ -3,13 +3,15 @@
 Every failure inside `proto` -- a malformed request, an undecodable server line, a
 message that cannot be encoded -- is a `ProtocolError` carrying an `ErrorCode`. The
 server answers such a failure with ``ERR <code> -- <message>``; see ``proto/PROTOCOL.md``.
+`RemoteProtocolError` is the client's name for a server that broke the protocol. What the
+client session makes of the server's words is in `proto.client_errors`.
 """
 
 from __future__ import annotations
 
 import enum
 
-__all__ = ["ErrorCode", "LineTooLong", "ProtocolError"]
+__all__ = ["ErrorCode", "LineTooLong", "ProtocolError", "RemoteProtocolError"]
 
 
 class ErrorCode(enum.StrEnum):
@@ -66,3 +68,7 @@ class LineTooLong(ProtocolError):
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.LINE_TOO_LONG, message)
         self.args = (message,)
+
+
+class RemoteProtocolError(ProtocolError):
+    """The server broke the protocol: a malformed line, or a reply no request waits for."""

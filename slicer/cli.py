@@ -16,17 +16,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
+from importlib.metadata import entry_points
 from typing import Any, NoReturn, TypeVar
 
 import click
 from click.shell_completion import BashComplete, ShellComplete, ZshComplete
 
 from gpu_slicer import proto
-from gpu_slicer.launcher import main as launch
 from gpu_slicer.slicer.client import ClientError, Slicer, Unreachable, socket_path
 
 EX_UNAVAILABLE = 69
@@ -272,26 +275,21 @@ def watch(path: str, as_json: bool, count: int | None) -> None:
         os.close(devnull)
 
 
-def _launcher_run() -> click.Command:
-    """`slicer-launch run` as a slicerctl command: the launcher's options, help and code;
-    only `--socket` is left out, the group's is passed instead."""
-    base = launch.run
-
-    @click.pass_context
-    def callback(ctx: click.Context, /, **kw: Any) -> None:
-        ctx.invoke(base, socket=ctx.obj, **kw)  # exits with the launcher's code
-
-    return click.Command(
-        "run",
-        callback=callback,
-        params=[p for p in base.params if p.name != "socket"],
-        help=base.help,
-        short_help="Run COMMAND as a registered workload (slicer-launch run).",
-        context_settings=base.context_settings,
-    )
+# Commands other packages add to slicerctl: entry points of this group, each a function
+# returning a click command (the launcher's `run`). Found at run time, so slicerctl never
+# imports the launcher (which imports slicer's client: no package cycle).
+COMMANDS_GROUP = "gpu_slicer.slicerctl"
 
 
-main.add_command(_launcher_run())
+def _add_plugin_commands() -> None:
+    for ep in entry_points(group=COMMANDS_GROUP):
+        try:
+            main.add_command(ep.load()(), ep.name)
+        except Exception as e:  # a broken plugin must not take the other commands down
+            click.echo(f"slicerctl: command {ep.name!r} ({ep.value}) unavailable: {e}", err=True)
+
+
+_add_plugin_commands()
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -300,10 +298,69 @@ def demo(args: tuple[str, ...]) -> None:
     """Run the demo (`make demo`): its own slicerd on a fake GPU, a vLLM stub under the
     launcher, the dispatcher and a trainer stub publishing revisions (`--mode trainers`:
     two trainer stubs only). ARGS go to the demo: `slicerctl demo -- --revisions 2`; its
-    options: `slicerctl demo -- --help`."""
-    from gpu_slicer.slicer import demo as demo_module  # only this command needs it and its imports
+    options: `slicerctl demo -- --help`. It runs from a checkout (exit 69 elsewhere)."""
+    sys.exit(run_demo(list(args)))
 
-    sys.exit(demo_module.main(list(args)))
+
+# The demo is no part of the product: it is the checkout's top-level `demo` package, run
+# as `python -m demo` by this interpreter in this directory (as `make demo` does).
+DEMO_PROBE = "import importlib.util, sys; sys.exit(importlib.util.find_spec('demo') is None)"
+DEMO_MISSING = "slicerctl demo: the demo runs from a checkout of gpu-slicer (`make demo` there)"
+
+
+def run_demo(args: list[str]) -> int:
+    """Run `python -m demo ARGS` and return its exit status (128+N when signal N ended
+    it); EX_UNAVAILABLE, with one line on stderr, when `demo` is not importable here."""
+    # Asked of the child's own interpreter and path: ours may differ (console script dir).
+    probe = subprocess.run(
+        [sys.executable, "-c", DEMO_PROBE], stdin=subprocess.DEVNULL, capture_output=True
+    )
+    if probe.returncode != 0:
+        click.echo(DEMO_MISSING, err=True)
+        return EX_UNAVAILABLE
+    out, err = _demo_stream(sys.stdout), _demo_stream(sys.stderr)
+    proc = subprocess.Popen([sys.executable, "-m", "demo", *args], stdout=out, stderr=err)
+    with _signals_to(proc):
+        got_out, got_err = proc.communicate()
+    if got_out:  # our streams had no file descriptor (click's CliRunner): relay
+        click.echo(got_out.decode(errors="replace"), nl=False)
+    if got_err:
+        click.echo(got_err.decode(errors="replace"), nl=False, err=True)
+    return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
+
+
+def _demo_stream(stream: Any) -> int:
+    """The descriptor the demo inherits for `stream`, or PIPE when it has none."""
+    try:
+        fd = int(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return subprocess.PIPE
+    stream.flush()
+    return fd
+
+
+@contextlib.contextmanager
+def _signals_to(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+    """While the demo runs, SIGTERM and SIGHUP are passed on to it (it ends its stack
+    cleanly) and SIGINT is ignored: Ctrl-C reaches the demo from the terminal itself, and
+    a second SIGINT would cut the demo's own cleanup short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; the caller owns the signals then
+        return
+
+    def forward(signum: int, _frame: Any) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGHUP, forward)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, signal.SIG_DFL if h is None else h)
 
 
 @main.command()

@@ -1,62 +1,55 @@
-"""Clients of slicerd: `AsyncSlicer` for trio programs, `Slicer` for plain blocking code.
+"""Clients of slicerd: `Slicer` for plain blocking code, `AsyncSlicer` for trio programs.
 
-Both speak the protocol through `proto` and share one rule: a request's reply is the next
-`OK`/`ERR` line; `FAULT`, `WAITING` and `EVENT` lines that arrive before it are queued in
-`events` (and passed to `on_event`). A trainer needs two lines:
+Both are thin transports over one sans-IO `proto.ClientSession`, which owns the protocol:
+the reply to each request (pipelined ones included), the `FAULT`, `WAITING`, `PARK` and
+`EVENT` lines that arrive between replies (queued in `events`, each also passed to
+`on_event`), and which exception a failure is. So the two have the same methods with the
+same signatures and raise alike: `ClientError` on ERR (`code` is the wire code), `Faulted`
+when a FAULT arrived while a request waited (its reply was read first), `Unreachable` when
+the daemon cannot be reached or the connection dropped, `proto.RemoteProtocolError` for a
+daemon that broke the protocol. A `timeout` that passes raises the transport's own error:
+`TimeoutError` (blocking), `trio.TooSlowError` (trio); the request stays pending in the
+session, so the connection stays in step. A trainer needs two lines:
 
     s = Slicer.from_env()                 # SLICER_SOCKET / SLICER_WORKLOAD from slicer-launch
     with s.turn():                        # blocks until granted, always releases
         train_step()
+
+and a trio program ``async with await AsyncSlicer.connect() as s, s.turn(): ...``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from gpu_slicer import proto
+from gpu_slicer.proto import ClientError, Faulted, Turn, Unreachable
 from gpu_slicer.slicer.config import DEFAULT_SOCKET
-from gpu_slicer.slicer.errors import SlicerError
 
+__all__ = [
+    "REPLY_TIMEOUT",
+    "AsyncSlicer",
+    "ClientError",
+    "Faulted",
+    "Slicer",
+    "Turn",
+    "Unreachable",
+    "socket_path",
+]
 
-class ClientError(SlicerError):
-    """The daemon answered ERR; `code` is the wire code."""
-
-    def __init__(self, code: str, text: str) -> None:
-        super().__init__(f"{code}: {text}" if text else code)
-        self.code, self.text = code, text
-
-
-class Unreachable(ClientError):
-    """The daemon's socket cannot be reached (or the connection dropped)."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__("unreachable", text)
-
-
-class Faulted(ClientError):
-    """A FAULT line arrived for our workload: its processes must stop."""
-
-    def __init__(self, fault: proto.Fault) -> None:
-        super().__init__("fault", f"{fault.workload} turn={fault.turn} {fault.reason}")
-        self.fault = fault
-
-
-@dataclass(frozen=True)
-class Turn:
-    """A granted turn."""
-
-    workload: str
-    turn: int
-    restored: bool
-    waited_ms: int
+T = TypeVar("T")
+REPLY_TIMEOUT = 30.0
+"""Default bound (seconds) on the reply to a request that is answered at once."""
+RECV_SIZE = 65536
+WRITE_TIMEOUT = 10.0  # a request line only blocks while the daemon reads nothing
 
 
 def socket_path(path: str | None = None) -> str:
@@ -64,147 +57,19 @@ def socket_path(path: str | None = None) -> str:
     return path or os.environ.get("SLICER_SOCKET") or DEFAULT_SOCKET
 
 
-def _ok_or_raise(msg: proto.Reply) -> proto.Ok:
-    if isinstance(msg, proto.Err):
-        raise ClientError(str(msg.code), msg.text)
-    return msg
-
-
-def _register_req(name: str, **kw: Any) -> proto.Register:
-    if "park" in kw:
-        kw["park"] = proto.ParkMode(kw["park"])
-    if "fallback" in kw:
-        kw["fallback"] = proto.ParkFallback(kw["fallback"])
-    if isinstance(kw.get("parked_max"), str):
-        kw["parked_max"] = proto.parse_size(kw["parked_max"])
-    if kw.get("gpu") is not None:
-        kw["gpu"] = str(kw["gpu"])
-    return proto.Register(name, **kw)
-
-
-def _turn(name: str, ok: proto.Ok) -> Turn:
-    f = ok.fields
-    return Turn(name, int(f["turn"]), f.get("restored") == "1", int(f.get("waited_ms", 0)))
-
-
-class AsyncSlicer:
-    """A trio connection to slicerd. Use `async with await AsyncSlicer.connect(...)`."""
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self._stream = stream
-        self._buf = proto.LineBuffer(proto.MAX_SERVER_LINE)
-        self._lines: deque[bytes] = deque()
-        self.events: deque[proto.ServerMessage] = deque()
-        self.on_event: Callable[[proto.ServerMessage], None] | None = None
-        self._lock = trio.Lock()
-
-    @classmethod
-    async def connect(cls, path: str | None = None) -> AsyncSlicer:
-        """Connect to the daemon's socket."""
-        where = socket_path(path)
-        try:
-            stream = await trio.open_unix_socket(where)
-        except OSError as e:
-            raise Unreachable(f"cannot connect to {where}: {e}") from e
-        return cls(stream)
-
-    async def __aenter__(self) -> AsyncSlicer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the connection (the daemon then ends our turn and registrations)."""
-        await self._stream.aclose()
-
-    async def _line(self) -> proto.ServerMessage:
-        while not self._lines:
-            try:
-                data = await self._stream.receive_some(65536)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                raise Unreachable(f"connection lost: {e}") from e
-            if not data:
-                raise Unreachable("the daemon closed the connection")
-            self._lines.extend(self._buf.feed(data))
-        return proto.parse_server_line(self._lines.popleft())
-
-    async def next_message(self) -> proto.ServerMessage:
-        """The next line of any kind (queued events first)."""
-        if self.events:
-            return self.events.popleft()
-        return await self._line()
-
-    async def request(self, req: proto.Request) -> proto.Ok:
-        """Send `req`, queue events until its reply; raise ClientError on ERR."""
-        async with self._lock:
-            try:
-                await self._stream.send_all(proto.encode(req))
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                raise Unreachable(f"connection lost: {e}") from e
-            while True:
-                msg = await self._line()
-                if isinstance(msg, proto.Ok | proto.Err):
-                    return _ok_or_raise(msg)
-                self.events.append(msg)
-                if self.on_event is not None:
-                    self.on_event(msg)
-
-    async def ping(self) -> None:
-        """PING."""
-        await self.request(proto.Ping())
-
-    async def register(self, name: str, **kw: Any) -> dict[str, str]:
-        """REGISTER (keywords: gpu, pid, tree, park, parked_max, fallback, ask)."""
-        return (await self.request(_register_req(name, **kw))).fields
-
-    async def acquire(self, name: str, wait: float | None = None) -> Turn:
-        """ACQUIRE: block until granted."""
-        return _turn(name, await self.request(proto.Acquire(name, wait)))
-
-    async def release(self, name: str, turn: int, park: str = "lazy") -> dict[str, str]:
-        """RELEASE turn `turn`."""
-        return (await self.request(proto.Release(name, turn, proto.ReleasePark(park)))).fields
-
-    async def unregister(self, name: str) -> None:
-        """UNREGISTER."""
-        await self.request(proto.Unregister(name))
-
-    async def parked(self, name: str, turn: int, ok: bool = True) -> None:
-        """PARKED: answer a PARK event (`ok` False: this registrant could not park it)."""
-        await self.request(proto.Parked(name, turn, ok))
-
-    async def send(self, req: proto.Request) -> None:
-        """Send `req` without reading its reply: for a connection whose one reader task
-        (see `next_message`) takes the reply like any other line."""
-        try:
-            await self._stream.send_all(proto.encode(req))
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            raise Unreachable(f"connection lost: {e}") from e
-
-    async def status(self) -> dict[str, Any]:
-        """STATUS as a dict."""
-        body = (await self.request(proto.Status())).body
-        assert isinstance(body, dict)
-        return body
-
-    async def watch(self) -> AsyncIterator[dict[str, Any]]:
-        """WATCH, then yield each event body."""
-        await self.request(proto.Watch())
-        while True:
-            msg = await self.next_message()
-            if isinstance(msg, proto.Event):
-                yield msg.body
-
-
 class Slicer:
-    """A blocking connection to slicerd, for plain training loops and tools."""
+    """A blocking connection to slicerd, for plain training loops and tools.
+
+    `workload` (default $SLICER_WORKLOAD) is the name used when a call is given none;
+    `timeout` bounds the connect and each write.
+    """
 
     def __init__(
         self, path: str | None = None, workload: str | None = None, timeout: float = 30.0
     ) -> None:
         self.path = socket_path(path)
-        self.workload = workload or os.environ.get("SLICER_WORKLOAD")
+        self.timeout = timeout
+        self._session = proto.ClientSession(workload or os.environ.get("SLICER_WORKLOAD"))
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -212,9 +77,6 @@ class Slicer:
         except OSError as e:
             self._sock.close()
             raise Unreachable(f"cannot connect to {self.path}: {e}") from e
-        self._buf = proto.LineBuffer(proto.MAX_SERVER_LINE)
-        self._lines: deque[bytes] = deque()
-        self.events: deque[proto.ServerMessage] = deque()
 
     @classmethod
     def from_env(cls) -> Slicer:
@@ -228,75 +90,104 @@ class Slicer:
         self.close()
 
     def close(self) -> None:
-        """Close the connection."""
+        """Close the connection (the daemon then ends our turn and registrations)."""
+        self._session.connection_lost("the client closed the connection")
         self._sock.close()
 
-    def _line(self, timeout: float | None) -> proto.ServerMessage:
+    @property
+    def workload(self) -> str | None:
+        """The name used when a call is given none (set by `register`)."""
+        return self._session.workload
+
+    @workload.setter
+    def workload(self, name: str | None) -> None:
+        self._session.workload = name
+
+    @property
+    def events(self) -> deque[proto.ServerMessage]:
+        """Non-reply lines received and not yet taken by `next_message`."""
+        return self._session.events
+
+    @property
+    def on_event(self) -> Callable[[proto.ServerMessage], None] | None:
+        """Called with each non-reply line as it arrives (must not block)."""
+        return self._session.on_event
+
+    @on_event.setter
+    def on_event(self, fn: Callable[[proto.ServerMessage], None] | None) -> None:
+        self._session.on_event = fn
+
+    def _read(self, timeout: float | None) -> None:
         self._sock.settimeout(timeout)
-        while not self._lines:
-            try:
-                data = self._sock.recv(65536)
-            except TimeoutError:
-                raise
-            except OSError as e:
-                raise Unreachable(f"connection lost: {e}") from e
-            if not data:
-                raise Unreachable("the daemon closed the connection")
-            self._lines.extend(self._buf.feed(data))
-        return proto.parse_server_line(self._lines.popleft())
+        try:
+            data = self._sock.recv(RECV_SIZE)
+        except TimeoutError:
+            raise
+        except OSError as e:
+            self._session.connection_lost(f"connection lost: {e}")
+            return
+        if data:
+            self._session.receive_data(data)
+        else:
+            self._session.receive_eof()
+
+    def _call(self, call: proto.Call[T], timeout: float | None) -> T:
+        self._sock.settimeout(self.timeout)
+        try:
+            self._sock.sendall(call.line)
+        except OSError as e:  # a line cut off leaves the stream unusable
+            self._session.connection_lost(f"connection lost: {e}")
+            raise Unreachable(f"connection lost: {e}") from e
+        while not call.done:
+            self._read(timeout)
+        return call.result()
 
     def next_message(self, timeout: float | None = None) -> proto.ServerMessage:
-        """The next line of any kind (queued events first); None `timeout` waits forever."""
-        if self.events:
-            return self.events.popleft()
-        return self._line(timeout)
+        """The next non-reply line (queued ones first); None `timeout` waits forever."""
+        while (msg := self._session.next_event()) is None:
+            self._read(timeout)
+        return msg
 
-    def request(self, req: proto.Request, timeout: float | None = 30.0) -> proto.Ok:
+    def request(self, req: proto.Request, timeout: float | None = REPLY_TIMEOUT) -> proto.Ok:
         """Send `req` and wait (at most `timeout`, None = forever) for its reply."""
-        try:
-            self._sock.sendall(proto.encode(req))
-        except OSError as e:
-            raise Unreachable(f"connection lost: {e}") from e
-        fault: proto.Fault | None = None
-        while True:
-            msg = self._line(timeout)
-            if isinstance(msg, proto.Ok | proto.Err):
-                # The reply is consumed before a FAULT is raised, so the connection stays
-                # in step (the next request reads its own reply).
-                if fault is not None:
-                    raise Faulted(fault)
-                return _ok_or_raise(msg)
-            self.events.append(msg)
-            if isinstance(msg, proto.Fault):
-                fault = msg
+        return self._call(self._session.send(req), timeout)
 
-    def _name(self, name: str | None) -> str:
-        name = name or self.workload
-        if not name:
-            raise ClientError("bad-request", "no workload name (set SLICER_WORKLOAD)")
-        return name
+    def ping(self) -> None:
+        """PING."""
+        self._call(self._session.ping(), REPLY_TIMEOUT)
 
     def register(self, name: str | None = None, **kw: Any) -> dict[str, str]:
-        """REGISTER (keywords: gpu, pid, tree, park, parked_max, fallback, ask)."""
-        name = self._name(name)
-        self.workload = name
-        return self.request(_register_req(name, **kw)).fields
+        """REGISTER (keywords: gpu, pid, tree, park, parked_max, fallback, ask); `name`
+        becomes the default workload of later calls."""
+        return self._call(self._session.register(name, **kw), REPLY_TIMEOUT)
 
     def acquire(self, name: str | None = None, wait: float | None = None) -> Turn:
         """ACQUIRE: block until granted (or `wait` seconds: ClientError timeout)."""
-        name = self._name(name)
-        return _turn(name, self.request(proto.Acquire(name, wait), timeout=None))
+        return self._call(self._session.acquire(name, wait), None)
 
     def release(self, t: Turn, park: str = "lazy") -> dict[str, str]:
-        """RELEASE the turn `t`."""
-        req = proto.Release(t.workload, t.turn, proto.ReleasePark(park))
-        return self.request(req, timeout=None).fields
+        """RELEASE the turn `t` (`park` "lazy" or "now")."""
+        return self._call(self._session.release(t, park), None)
+
+    def parked(self, name: str, turn: int, ok: bool = True) -> None:
+        """PARKED: answer a PARK (`ok` False: this registrant could not park it)."""
+        self._call(self._session.parked(name, turn, ok), REPLY_TIMEOUT)
+
+    def unregister(self, name: str | None = None) -> None:
+        """UNREGISTER."""
+        self._call(self._session.unregister(name), REPLY_TIMEOUT)
 
     def status(self) -> dict[str, Any]:
         """STATUS as a dict."""
-        body = self.request(proto.Status()).body
-        assert isinstance(body, dict)
-        return body
+        return self._call(self._session.status(), REPLY_TIMEOUT)
+
+    def watch(self) -> Iterator[dict[str, Any]]:
+        """WATCH, then yield each event body, forever."""
+        self._call(self._session.watch(), REPLY_TIMEOUT)
+        while True:
+            msg = self.next_message()
+            if isinstance(msg, proto.Event):
+                yield msg.body
 
     @contextlib.contextmanager
     def turn(
@@ -308,3 +199,168 @@ class Slicer:
             yield t
         finally:
             self.release(t, park)
+
+
+def _bound(timeout: float | None) -> contextlib.AbstractContextManager[trio.CancelScope]:
+    return trio.fail_after(math.inf if timeout is None else timeout)
+
+
+class AsyncSlicer:
+    """A trio connection to slicerd: ``async with await AsyncSlicer.connect(...) as s``.
+
+    The same calls as `Slicer`, awaited. Tasks may share one connection: requests are
+    pipelined, and whichever task waits reads for all (one reader at a time, in turn).
+    """
+
+    def __init__(self, stream: trio.abc.Stream, workload: str | None = None) -> None:
+        self._stream = stream
+        self._session = proto.ClientSession(workload)
+        self._send_lock = trio.Lock()
+        self._recv_lock = trio.Lock()
+
+    @classmethod
+    async def connect(
+        cls, path: str | None = None, workload: str | None = None, timeout: float = 30.0
+    ) -> AsyncSlicer:
+        """Connect to the daemon's socket; `workload` defaults to $SLICER_WORKLOAD."""
+        where = socket_path(path)
+        try:
+            with trio.fail_after(timeout):
+                stream = await trio.open_unix_socket(where)
+        except (OSError, trio.TooSlowError) as e:
+            raise Unreachable(f"cannot connect to {where}: {str(e) or 'timed out'}") from e
+        return cls(stream, workload or os.environ.get("SLICER_WORKLOAD"))
+
+    @classmethod
+    async def from_env(cls) -> AsyncSlicer:
+        """Connect using SLICER_SOCKET and SLICER_WORKLOAD (set by slicer-launch)."""
+        return await cls.connect()
+
+    async def __aenter__(self) -> AsyncSlicer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection (the daemon then ends our turn and registrations)."""
+        self._session.connection_lost("the client closed the connection")
+        await self._stream.aclose()
+
+    @property
+    def workload(self) -> str | None:
+        """The name used when a call is given none (set by `register`)."""
+        return self._session.workload
+
+    @workload.setter
+    def workload(self, name: str | None) -> None:
+        self._session.workload = name
+
+    @property
+    def events(self) -> deque[proto.ServerMessage]:
+        """Non-reply lines received and not yet taken by `next_message`."""
+        return self._session.events
+
+    @property
+    def on_event(self) -> Callable[[proto.ServerMessage], None] | None:
+        """Called with each non-reply line as it arrives (must not block)."""
+        return self._session.on_event
+
+    @on_event.setter
+    def on_event(self, fn: Callable[[proto.ServerMessage], None] | None) -> None:
+        self._session.on_event = fn
+
+    async def _pump(self, ready: Callable[[], bool]) -> None:
+        # One reader at a time; trio.Lock is fair, so a task whose reply another task
+        # read gets the lock next, sees `ready` and returns without reading.
+        while not ready() and not self._session.failed:
+            async with self._recv_lock:
+                if ready() or self._session.failed:
+                    return
+                try:
+                    data = await self._stream.receive_some(RECV_SIZE)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                    self._session.connection_lost(f"connection lost: {e}")
+                    return
+                if data:
+                    self._session.receive_data(data)
+                else:
+                    self._session.receive_eof()
+
+    async def _call(self, make: Callable[[], proto.Call[T]], timeout: float | None) -> T:
+        async with self._send_lock:
+            # Nothing is sent for a caller already cancelled; once begun, a line is
+            # written whole (shielded, bounded): a line cut off would garble the next.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            call = make()
+            with trio.CancelScope(shield=True), trio.move_on_after(WRITE_TIMEOUT) as scope:
+                try:
+                    await self._stream.send_all(call.line)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                    self._session.connection_lost(f"connection lost: {e}")
+            if scope.cancelled_caught:
+                self._session.connection_lost(f"a request line blocked for {WRITE_TIMEOUT:g} s")
+        with _bound(timeout):
+            await self._pump(lambda: call.done)
+        return call.result()
+
+    async def next_message(self, timeout: float | None = None) -> proto.ServerMessage:
+        """The next non-reply line (queued ones first); None `timeout` waits forever."""
+        with _bound(timeout):
+            while (msg := self._session.next_event()) is None:
+                await self._pump(lambda: bool(self._session.events))
+        return msg
+
+    async def request(self, req: proto.Request, timeout: float | None = REPLY_TIMEOUT) -> proto.Ok:
+        """Send `req` and wait (at most `timeout`, None = forever) for its reply."""
+        return await self._call(lambda: self._session.send(req), timeout)
+
+    async def ping(self) -> None:
+        """PING."""
+        await self._call(self._session.ping, REPLY_TIMEOUT)
+
+    async def register(self, name: str | None = None, **kw: Any) -> dict[str, str]:
+        """REGISTER (keywords: gpu, pid, tree, park, parked_max, fallback, ask); `name`
+        becomes the default workload of later calls."""
+        return await self._call(lambda: self._session.register(name, **kw), REPLY_TIMEOUT)
+
+    async def acquire(self, name: str | None = None, wait: float | None = None) -> Turn:
+        """ACQUIRE: wait until granted (or `wait` seconds: ClientError timeout)."""
+        return await self._call(lambda: self._session.acquire(name, wait), None)
+
+    async def release(self, t: Turn, park: str = "lazy") -> dict[str, str]:
+        """RELEASE the turn `t` (`park` "lazy" or "now")."""
+        return await self._call(lambda: self._session.release(t, park), None)
+
+    async def parked(self, name: str, turn: int, ok: bool = True) -> None:
+        """PARKED: answer a PARK (`ok` False: this registrant could not park it)."""
+        await self._call(lambda: self._session.parked(name, turn, ok), REPLY_TIMEOUT)
+
+    async def unregister(self, name: str | None = None) -> None:
+        """UNREGISTER."""
+        await self._call(lambda: self._session.unregister(name), REPLY_TIMEOUT)
+
+    async def status(self) -> dict[str, Any]:
+        """STATUS as a dict."""
+        return await self._call(self._session.status, REPLY_TIMEOUT)
+
+    async def watch(self) -> AsyncIterator[dict[str, Any]]:
+        """WATCH, then yield each event body, forever."""
+        await self._call(self._session.watch, REPLY_TIMEOUT)
+        while True:
+            msg = await self.next_message()
+            if isinstance(msg, proto.Event):
+                yield msg.body
+
+    @contextlib.asynccontextmanager
+    async def turn(
+        self, name: str | None = None, wait: float | None = None, park: str = "lazy"
+    ) -> AsyncIterator[Turn]:
+        """Hold a turn for the `async with` body; released on the way out, exceptions and
+        cancellation included (the daemon bounds every park, so the release ends)."""
+        t = await self.acquire(name, wait)
+        try:
+            yield t
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.release(t, park)

@@ -57,6 +57,10 @@ async def serve(
         max_queue=cfg.max_queue,
         fault_kill_after=cfg.fault_kill_after,
         registrant_park_timeout=cfg.registrant_park_timeout,
+        foreign_blocks=cfg.foreign == "block",
+        max_connections=cfg.max_connections,
+        max_connections_per_uid=cfg.max_connections_per_uid,
+        reserved_connections=cfg.reserved_connections,
     )
     sm = SlicerState([(d.index, d.uuid) for d in devices], limits)
     listener, owned = open_listener(cfg.socket, cfg.socket_mode, cfg.socket_group)

@@ -43,7 +43,8 @@ class Deny:
 
 @dataclass(frozen=True, slots=True)
 class Park:
-    """Park `workload` (its processes) on `gpu`; report with `SlicerState.park_done(op)`."""
+    """Park `workload` (its processes) on `gpu`; report what was measured with
+    `SlicerState.park_done(op, ParkReport)`."""
 
     op: int
     wid: int
@@ -55,7 +56,8 @@ class Park:
 
 @dataclass(frozen=True, slots=True)
 class Restore:
-    """Restore `workload` onto `gpu`; report with `SlicerState.restore_done(op)`."""
+    """Restore `workload` onto `gpu`; report what was measured with
+    `SlicerState.restore_done(op, RestoreReport)`."""
 
     op: int
     wid: int
@@ -79,8 +81,9 @@ class AskPark:
 
 @dataclass(frozen=True, slots=True)
 class Recover:
-    """After a restart: read the real state of each journaled process of `workload`, wait
-    for any cuda-checkpoint still running on them, finish or roll back the journaled
+    """After a restart: read the real state of each journaled process of `workload`
+    (waiting, bounded, for any cuda-checkpoint still running on them), perform the steps
+    `SlicerState.recovery_plan(op, reading)` names to finish or roll back the journaled
     `intent` ("park" or "restore"), and report with `SlicerState.recover_done(op)`."""
 
     op: int
@@ -95,8 +98,8 @@ class Recover:
 
 @dataclass(frozen=True, slots=True)
 class Verify:
-    """Check through the GPU backend that nothing but `workload` is resident on `gpu` and
-    that `need` bytes are free; report with `SlicerState.verified(op)`."""
+    """Read `gpu` through the GPU backend (a census, and its free bytes when `need` is not
+    0) for a grant of workload `wid`; report with `SlicerState.verified(op)`."""
 
     op: int
     gpu: int
@@ -135,8 +138,9 @@ class SendWaiting:
 
 @dataclass(frozen=True, slots=True)
 class Reap:
-    """Watch a faulted or orphaned workload's processes: report their GPU memory with
-    `SlicerState.memory_report`, and kill them after `kill_after` seconds (never if None)."""
+    """Watch a faulted or orphaned workload's processes: report whether they live, their
+    GPU memory and the pids holding it with `SlicerState.memory_report` until it says stop.
+    A faulted one's GPU processes are killed (a `Kill` effect) `kill_after` seconds on."""
 
     wid: int
     workload: str
@@ -145,6 +149,15 @@ class Reap:
     start_time: float
     tree: bool
     kill_after: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Kill:
+    """Kill (SIGKILL) the GPU processes `pids` of the faulted workload `workload`."""
+
+    wid: int
+    workload: str
+    pids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +185,7 @@ Effect = (
     | SendFault
     | SendWaiting
     | Reap
+    | Kill
     | Emit
     | Persist
 )

@@ -124,16 +124,27 @@ class Workload:
     # A recovered, still-resident cooperative orphan is left alone until then, so that
     # its launcher can re-REGISTER and adopt it (slicerd cannot park it itself).
     hold_until: float = 0.0
+    # A restore brought its memory back for the waiter at the queue head: its grant
+    # says restored=1 (cleared by that grant, or when nobody of it waits any more).
+    restored: bool = False
+    # A faulted workload's GPU processes are killed at this (monotonic) time, once.
+    kill_at: float | None = None
+    killed: bool = False
 
     @property
     def detached(self) -> bool:
         """True once the registration ended while the processes still need tracking."""
         return self.registrant is None
 
-    def to(self, new: WState) -> None:
-        """Move to `new` if the table allows it; otherwise raise and change nothing."""
+    def check(self, new: WState) -> None:
+        """Raise `IllegalTransition` unless the table allows moving to `new`; a caller
+        checks every move it will make before it changes anything."""
         if new not in TRANSITIONS[self.state]:
             raise IllegalTransition(f"workload {self.name}: {self.state} -> {new} is not allowed")
+
+    def to(self, new: WState) -> None:
+        """Move to `new` if the table allows it; otherwise raise and change nothing."""
+        self.check(new)
         self.state = new
 
 
@@ -183,6 +194,7 @@ class Op:
     workload: Workload
     reply_conn: ConnId | None = None
     stage: ParkStage = ParkStage.VERIFY
+    need: int = 0  # a VERIFY op: the free bytes the grant needs (a restore's)
 
 
 @dataclass

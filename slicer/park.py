@@ -13,8 +13,13 @@ import logging
 import os
 import subprocess
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
+
+from gpu_slicer.slicer.readings import Outcome
+
+__all__ = ["CheckpointParker", "Outcome", "Parker", "ToolResult", "ToolRunner"]
 
 log = logging.getLogger("slicer.park")
 
@@ -32,15 +37,6 @@ class ToolResult:
     def ok(self) -> bool:
         """True when the tool exited 0."""
         return self.returncode == 0
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """The result of a park or restore step over all of a workload's processes."""
-
-    ok: bool
-    reason: str = ""
-    text: str = ""
 
 
 class ToolRunner:
@@ -97,6 +93,48 @@ async def _run_to_end(argv: list[str]) -> ToolResult:
         b"".join(chunks["out"]).decode(errors="replace"),
         b"".join(chunks["err"]).decode(errors="replace"),
     )
+
+
+class Running(Protocol):
+    """How many tool runs are under way (STATUS `tools_running`)."""
+
+    running: int
+
+
+class Parker(Protocol):
+    """What the server and recovery need of a parker (`CheckpointParker`, or a test's)."""
+
+    path: str
+    has_action: bool
+
+    @property
+    def runner(self) -> Running:
+        """Whoever owns the tool's runs."""
+        ...
+
+    async def probe(self, timeout: float = 30.0) -> str:
+        """Learn what the tool can do; a note for the log ("" when all is well)."""
+        ...
+
+    async def park(self, pids: list[int], timeout: float) -> Outcome:
+        """Move the GPU memory of `pids` to host memory."""
+        ...
+
+    async def restore(self, pids: list[int], timeout: float) -> Outcome:
+        """Bring the GPU memory of `pids` back."""
+        ...
+
+    async def get_state(self, pid: int, timeout: float) -> str:
+        """The driver's CUDA state of `pid`."""
+        ...
+
+    async def act(self, pids: list[int], action: str, timeout: float) -> Outcome:
+        """One `--action` on every pid."""
+        ...
+
+    async def act_toggle(self, pids: list[int], timeout: float) -> Outcome:
+        """`--toggle` every pid."""
+        ...
 
 
 class CheckpointParker:

@@ -10,8 +10,54 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from typing import Protocol
 
 Ident = tuple[int, int]
+
+
+class ProcessTable(Protocol):
+    """What the server reads of (and does to) the node's processes: this module itself,
+    or a test's table of made-up processes (the server's `host`)."""
+
+    HAS_CHILDREN_FILES: bool
+
+    def start_time(self, pid: int) -> int | None:
+        """The start time of live process `pid`, or None."""
+        ...
+
+    def owner_uid(self, pid: int) -> int | None:
+        """The real uid owning `pid`, or None."""
+        ...
+
+    def groups(self, pid: int) -> set[int]:
+        """The supplementary group ids of `pid`."""
+        ...
+
+    def alive(self, ident: Ident) -> bool:
+        """True while the process named by (pid, start time) lives."""
+        ...
+
+    def ancestry(self, pid: int, limit: int = 64) -> Iterator[Ident]:
+        """`pid`, then each of its ancestors."""
+        ...
+
+    def tree(
+        self, ident: Ident, descendants: bool = True, children: dict[int, list[int]] | None = None
+    ) -> list[int]:
+        """The live pids of the process and (optionally) its descendants."""
+        ...
+
+    def children_map(self) -> dict[int, list[int]]:
+        """ppid -> child pids."""
+        ...
+
+    def kill_pids(self, pids: list[int], sig: int = signal.SIGKILL) -> int:
+        """Send `sig` to each pid; how many were signalled."""
+        ...
+
+    def tool_runs(self, tool: str, pids: set[int]) -> dict[int, int]:
+        """Live runs of `tool` acting on one of `pids`: tool pid -> target pid."""
+        ...
 
 
 def _stat(pid: int) -> tuple[int, int] | None:

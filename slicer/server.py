@@ -4,6 +4,11 @@ The server decides nothing. It parses a line, asks `SlicerState`, and performs t
 it gets back in order: replies and events go into each connection's bounded outbox (a
 client that stops reading is dropped, never waited for); parks, restores and recoveries
 run as tasks, one GPU never waiting for another; verification reads the GPU backend inline.
+What it measures (a census of a GPU, how a tool run ended, which processes live, the
+driver's state of each) goes back to `SlicerState` as readings (`slicer.readings`); the
+state machine decides what they mean, also whether a connection is admitted and when a
+faulted workload is killed. The GPU backend, the parker, the process table (`host`) and
+the clock are injected, so tests run this very code in-process.
 
 No client can stall it: effects are performed by one loop (never by recursion), requests a
 connection pipelined behind a waiting one are resumed by that loop, a connection yields to
@@ -38,6 +43,7 @@ from gpu_slicer.slicer.effects import (
     Effect,
     Emit,
     Grant,
+    Kill,
     Park,
     Persist,
     Reap,
@@ -51,7 +57,15 @@ from gpu_slicer.slicer.effects import (
 )
 from gpu_slicer.slicer.gpu import GpuBackend
 from gpu_slicer.slicer.journal import Journal, JournalError
-from gpu_slicer.slicer.park import CheckpointParker, Outcome
+from gpu_slicer.slicer.park import Parker
+from gpu_slicer.slicer.readings import (
+    Census,
+    Outcome,
+    ParkReport,
+    RecoverReport,
+    RestoreReport,
+    Unreadable,
+)
 from gpu_slicer.slicer.state import ProcessInfo, SlicerState
 
 log = logging.getLogger("slicer.server")
@@ -181,9 +195,12 @@ class Server:
         cfg: Config,
         sm: SlicerState,
         backend: GpuBackend,
-        parker: CheckpointParker,
+        parker: Parker,
         journal: Journal,
         entries: list[dict[str, Any]] | None = None,
+        *,
+        host: procs.ProcessTable = procs,
+        clock: Callable[[], float] = _now,
     ) -> None:
         self.cfg, self.sm, self.backend, self.parker, self.journal = (
             cfg,
@@ -192,6 +209,8 @@ class Server:
             parker,
             journal,
         )
+        # The node's processes (/proc) and the state machine's clock; tests inject both.
+        self.host, self._clock = host, clock
         self.conns: dict[int, Connection] = {}
         self.watchers: set[Connection] = set()
         self._ids = itertools.count(1)
@@ -208,7 +227,6 @@ class Server:
         # op id -> (token, what): who performs the GPU operation in flight.
         self._owners: dict[int, tuple[object, str]] = {}
         self._asks: dict[int, trio.CancelScope] = {}
-        self._per_uid: dict[int, int] = {}
         self.journal_error: str | None = None
         self._journal_retrying = False
         self._children: tuple[float, dict[int, list[int]]] = (-1.0, {})
@@ -234,9 +252,9 @@ class Server:
     def _recover(self) -> None:
         entries = self._entries
         for e in entries:
-            _upgrade_entry(e)
+            _upgrade_entry(e, self.host)
             ident = (int(e.get("pid", 0)), int(e.get("start_time", 0)))
-            e["alive"] = procs.alive(ident)
+            e["alive"] = self.host.alive(ident)
             e["resident_bytes"] = 0
         by_gpu: dict[int, list[dict[str, Any]]] = {}
         for e in entries:
@@ -248,15 +266,16 @@ class Server:
                 for i, e in enumerate(group)
             ]
             try:
-                taken = census.take(self.backend.processes(gpu), roots)
+                taken = census.take(self.backend.processes(gpu), roots, self.host.ancestry)
             except Exception as ex:
-                # Unknown memory counts as resident: it will be parked before any grant.
                 log.error("cannot read GPU %d during recovery: %s", gpu, ex)
-                taken = census.Census(bytes_by_wid={i: 1 << 62 for i in range(len(group))})
+                for e in group:
+                    e["resident_bytes"] = None  # unread (the state machine decides)
+                continue
             for i, e in enumerate(group):
                 e["resident_bytes"] = taken.of(i)
         log.info("recovered %d journaled workloads", sum(1 for e in entries if e["alive"]))
-        self._apply(self.sm.adopt_journal(entries, _now()))
+        self._apply(self.sm.adopt_journal(entries, self._clock()))
 
     # ---- connections -----------------------------------------------------------------
 
@@ -267,17 +286,17 @@ class Server:
             await stream.aclose()
             return
         trusted = self._in_allow_group(pid, gid)
-        refused = self._refuse(uid, exempt=uid == 0 or trusted)
-        if refused:
+        cid = next(self._ids)
+        try:
+            self.sm.connect(cid, uid, pid, trusted=trusted)
+        except errors.LimitReached as refused:
             with trio.move_on_after(1):
-                await stream.send_all(proto.encode(Err(ErrorCode.LIMIT, text=refused)))
+                await stream.send_all(proto.encode(Err(ErrorCode.LIMIT, text=str(refused))))
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await stream.aclose()
             return
-        conn = Connection(next(self._ids), stream, pid, uid)
+        conn = Connection(cid, stream, pid, uid)
         self.conns[conn.cid] = conn
-        self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
-        self.sm.connect(conn.cid, uid, pid, trusted=trusted)
         flush = False
         try:
             async with trio.open_nursery() as n:
@@ -301,37 +320,18 @@ class Server:
             if conn.wait_scope is not None:
                 conn.wait_scope.cancel()
             del self.conns[conn.cid]
-            if (left := self._per_uid[uid] - 1) > 0:
-                self._per_uid[uid] = left
-            else:
-                del self._per_uid[uid]
             self.watchers.discard(conn)
             try:
-                self._apply(self.sm.conn_closed(conn.cid, _now()))
+                self._apply(self.sm.conn_closed(conn.cid, self._clock()))
             except Exception:
                 log.exception("closing connection %d failed", conn.cid)
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await stream.aclose()
 
-    def _refuse(self, uid: int, exempt: bool) -> str:
-        """Why a new connection of `uid` is refused ("" when it is not)."""
-        cfg = self.cfg
-        total = len(self.conns)
-        if total >= cfg.max_connections:
-            return f"at most {cfg.max_connections} connections"
-        # Room kept for root alone: an operator can always inspect, a root launcher can
-        # always re-register, whatever any other uid (allow_group members too) holds.
-        reserve = min(cfg.reserved_connections, cfg.max_connections // 2)
-        if uid != 0 and total >= cfg.max_connections - reserve:
-            return f"at most {cfg.max_connections - reserve} connections for uids other than root"
-        if not exempt and self._per_uid.get(uid, 0) >= cfg.max_connections_per_uid:
-            return f"at most {cfg.max_connections_per_uid} connections per uid (uid {uid})"
-        return ""
-
     def _in_allow_group(self, pid: int, gid: int) -> bool:
         if self._allow_gid is None:
             return False
-        return gid == self._allow_gid or self._allow_gid in procs.groups(pid)
+        return gid == self._allow_gid or self._allow_gid in self.host.groups(pid)
 
     @staticmethod
     async def _linger(stream: trio.SocketStream) -> None:
@@ -385,7 +385,7 @@ class Server:
         except proto.ProtocolError as e:
             conn.send(proto.encode(Err.from_error(e)))
             return
-        now = _now()
+        now = self._clock()
         fx: list[Effect] = []
         try:
             match req:
@@ -440,13 +440,14 @@ class Server:
     def _register(self, conn: Connection, req: proto.Register, now: float) -> list[Effect]:
         gpu = self.sm.resolve_gpu(req.gpu)
         pid = req.pid if req.pid is not None else conn.pid
-        start, uid = procs.start_time(pid), procs.owner_uid(pid)
+        start, uid = self.host.start_time(pid), self.host.owner_uid(pid)
         if start is None or uid is None:
             raise errors.NoSuchProcess(f"no live process {pid}")
         info = ProcessInfo(pid=pid, start_time=start, uid=uid)
         # Measure what the new workload already holds (before it is known, its memory
         # would read as foreign): a probe root with a wid no workload has.
-        taken = census.take(self.backend.processes(gpu), [census.Root(0, pid, start, req.tree)])
+        probe = [census.Root(0, pid, start, req.tree)]
+        taken = census.take(self.backend.processes(gpu), probe, self.host.ancestry)
         return self.sm.register(
             conn.cid,
             req.workload,
@@ -464,13 +465,14 @@ class Server:
 
     def _sharing(self, ident: procs.Ident, tree: bool) -> list[int]:
         """The wids of tracked workloads whose process trees overlap the tree of `ident`."""
-        mine = list(procs.ancestry(ident[0]))
+        host = self.host
+        mine = list(host.ancestry(ident[0]))
         out = []
         for w in self.sm.workloads():
             root = (w.pid, int(w.start_time))
             # The new process lies in w's tree, or w's root lies in the new tree.
             inside = any(a == root and (w.tree or depth == 0) for depth, a in enumerate(mine))
-            holds = tree and any(a == ident for a in procs.ancestry(w.pid)) and procs.alive(root)
+            holds = tree and any(a == ident for a in host.ancestry(w.pid)) and host.alive(root)
             if inside or holds:
                 out.append(w.wid)
         return out
@@ -480,7 +482,7 @@ class Server:
             await trio.sleep_forever()
         if scope.cancelled_caught and conn.wait_scope is scope:
             conn.wait_scope = None
-            self._apply(self.sm.wait_expired(conn.cid, _now()))
+            self._apply(self.sm.wait_expired(conn.cid, self._clock()))
 
     # ---- effects ---------------------------------------------------------------------
 
@@ -571,7 +573,8 @@ class Server:
             case Verify():
                 token = self._own(e.op, "verify")
                 try:
-                    self._work.extend(self.sm.verified(e.op, self._blockers(e), _now()))
+                    seen, free = self._read_gpu(e)
+                    self._work.extend(self.sm.verified(e.op, seen, self._clock(), free))
                 finally:
                     self._disown(e.op, token)
             case Park() if e.mode == "cooperative":
@@ -613,6 +616,10 @@ class Server:
                     c.send(proto.encode(Waiting(e.workload, e.turn, e.waiters)))
             case Reap():
                 nursery.start_soon(self._reap, e)
+            case Kill():
+                # Only the processes that hold the GPU (the state machine chose them).
+                n = self.host.kill_pids(list(e.pids))
+                log.error("killed %d GPU processes of faulted workload %s", n, e.workload)
             case Emit():
                 self._broadcast(e.body)
             case Persist():
@@ -623,17 +630,17 @@ class Server:
     def _failed(self, e: Effect, ex: Exception) -> list[Effect]:
         """Results for a GPU operation whose effect could not be performed: its owner
         always reports, so no GPU stays busy with nobody working on it."""
-        now, text = _now(), f"{type(ex).__name__}: {ex}"[:300]
+        now, text = self._clock(), f"{type(ex).__name__}: {ex}"[:300]
         try:
             match e:
                 case Verify():
-                    return self.sm.verified(e.op, [{"reason": "server-error", "error": text}], now)
+                    return self.sm.verified(e.op, Unreadable("server-error", text), now)
                 case Park():
-                    return self.sm.park_done(e.op, False, 0, 0, (), "park-error", text, now)
+                    return self.sm.park_done(e.op, ParkReport(error=text), now)
                 case Restore():
-                    return self.sm.restore_done(e.op, False, 0, "restore-error", text, now)
+                    return self.sm.restore_done(e.op, RestoreReport(error=text), now)
                 case Recover():
-                    return self.sm.recover_done(e.op, "fault", (), "recover-error", text, now)
+                    return self.sm.recover_done(e.op, RecoverReport(error=text), now)
                 case AskPark():
                     return self.sm.ask_expired(e.op, now)
         except Exception:
@@ -700,130 +707,95 @@ class Server:
             if w.gpu == gpu
         ]
 
-    def _census(self, gpu: int) -> census.Census:
-        return census.take(self.backend.processes(gpu), self._roots(gpu))
+    def _census(self, gpu: int) -> Census:
+        return census.take(self.backend.processes(gpu), self._roots(gpu), self.host.ancestry)
 
-    def _blockers(self, e: Verify) -> list[dict[str, Any]]:
-        """What, per the backend, keeps workload `e.wid` from being granted `e.gpu`."""
+    def _bytes_of(self, gpu: int, wid: int, reason: str) -> int | Unreadable:
+        """Workload `wid`'s device bytes on `gpu` now, or why they could not be read."""
         try:
-            taken = self._census(e.gpu)
-            out: list[dict[str, Any]] = []
-            if self.cfg.foreign == "block":
-                out += [{"pid": p, "bytes": b} for p, b in sorted(taken.foreign.items())]
-            for w in self.sm.workloads():
-                if w.gpu == e.gpu and w.wid != e.wid and taken.of(w.wid) > w.parked_max:
-                    out.append({"workload": w.name, "pid": w.pid, "bytes": taken.of(w.wid)})
-            if e.need:
-                free = self.backend.free_bytes(e.gpu)
-                if free < e.need:
-                    out.append({"reason": "no-room", "need": e.need, "free": free})
-            return out
+            return self._census(gpu).of(wid)
+        except Exception as ex:
+            return Unreadable(reason, str(ex)[:300])
+
+    def _read_gpu(self, e: Verify) -> tuple[Census | Unreadable, int | None]:
+        """The census of `e.gpu` and, when the grant needs room, its free bytes."""
+        try:
+            seen = self._census(e.gpu)
+            return seen, (self.backend.free_bytes(e.gpu) if e.need else None)
         except Exception as ex:
             log.error("GPU %d cannot be verified: %s", e.gpu, ex)
-            return [{"reason": "backend-error", "error": str(ex)[:200]}]
+            return Unreadable("backend-error", str(ex)[:200]), None
+
+    def _ms_since(self, t0: float) -> int:
+        return int((self._clock() - t0) * 1000)
 
     async def _park(self, e: Park, token: object) -> None:
-        t0 = time.monotonic()
-        before_bytes, after_bytes = 0, 0
+        t0 = self._clock()
+        before, error = 0, ""
         parked: tuple[procs.Ident, ...] = ()
+        tool: Outcome | None = None
+        alive: tuple[bool, ...] = ()
         try:
-            before = self._census(e.gpu)
-            before_bytes = before.of(e.wid)
-            pids = before.pids_by_wid.get(e.wid, [])
-            parked = tuple((p, st) for p in pids if (st := procs.start_time(p)) is not None)
-            out = Outcome(True)
+            seen = self._census(e.gpu)
+            before = seen.of(e.wid)
+            pids = seen.pids_by_wid.get(e.wid, [])
+            parked = tuple((p, st) for p in pids if (st := self.host.start_time(p)) is not None)
             if parked:
                 # Journaled before the tool runs: a daemon killed from here on finds the
                 # processes in the journal and asks the driver how far the park got.
-                self._apply(self.sm.park_started(e.op, parked, before_bytes))
-                if self.journal_error is not None:
-                    # Not on disk: a crash would leave checkpointed processes nobody
-                    # knows of. The tool waits until the journal can be written.
-                    why = "journal-unwritable"
-                    self._report(e.op, token, lambda: self.sm.park_deferred(e.op, why, _now()))
+                self._apply(self.sm.park_started(e.op, parked, before))
+                durable = self.journal_error is None
+                fx, go = self.sm.park_journaled(e.op, durable, self._clock())
+                if not go:
+                    self._report(e.op, token, lambda: fx)
                     return
-                out = await self.parker.park([p for p, _ in parked], self.cfg.park_timeout)
-                if not out.ok and not any(procs.alive(p) for p in parked):
-                    # The processes exited under the tool (a workload ending right after
-                    # its turn): the driver freed their memory, so nothing is left to park.
-                    # The backend check below still decides.
-                    out, parked = Outcome(True), ()
-            if out.ok:
-                after_bytes = self._census(e.gpu).of(e.wid)
-                if after_bytes > e.parked_max:
-                    out = Outcome(
-                        False,
-                        "still-resident",
-                        f"{after_bytes} bytes still on GPU {e.gpu} after park "
-                        f"(parked_max={e.parked_max})",
-                    )
+                tool = await self.parker.park([p for p, _ in parked], self.cfg.park_timeout)
+                alive = tuple(self.host.alive(p) for p in parked)
         except Exception as ex:
-            out = Outcome(False, "park-error", str(ex)[:300])
-        ms = int((time.monotonic() - t0) * 1000)
-        moved = max(0, before_bytes - after_bytes)
-        self._report(
-            e.op,
-            token,
-            lambda: self.sm.park_done(
-                e.op, out.ok, ms, moved, parked, out.reason, out.text, _now()
-            ),
-        )
+            error = str(ex)[:300]
+        after = self._bytes_of(e.gpu, e.wid, "park-error")
+        report = ParkReport(self._ms_since(t0), before, parked, tool, alive, after, error)
+        self._report(e.op, token, lambda: self.sm.park_done(e.op, report, self._clock()))
 
     def _verify_parked(self, e: Park) -> list[Effect]:
-        """A cooperative park: the workload freed the GPU itself; check it, through the
-        backend, never on its word."""
-        t0 = time.monotonic()
-        try:
-            after = self._census(e.gpu).of(e.wid)
-            out = Outcome(True)
-            if after > e.parked_max:
-                out = Outcome(
-                    False,
-                    "still-resident",
-                    f"{after} bytes still on GPU {e.gpu} at park (parked_max={e.parked_max})",
-                )
-        except Exception as ex:
-            out = Outcome(False, "park-error", str(ex)[:300])
-        ms = int((time.monotonic() - t0) * 1000)
-        return self.sm.park_done(e.op, out.ok, ms, 0, (), out.reason, out.text, _now())
+        """A cooperative park: the workload freed the GPU itself; it is checked through
+        the backend, never on its word."""
+        t0 = self._clock()
+        after = self._bytes_of(e.gpu, e.wid, "park-error")
+        report = ParkReport(ms=self._ms_since(t0), after=after)
+        return self.sm.park_done(e.op, report, self._clock())
 
     async def _restore(self, e: Restore, token: object) -> None:
-        t0 = time.monotonic()
-        pids = [p for p, st in e.procs if procs.start_time(p) == st]
+        t0 = self._clock()
+        live = tuple((p, st) for p, st in e.procs if self.host.start_time(p) == st)
+        tool: Outcome | None = None
+        error = ""
         try:
-            if pids:
-                out = await self.parker.restore(pids, self.cfg.restore_timeout)
-            else:
-                # Never a success: its memory is nowhere to be brought back from.
-                out = Outcome(False, "restore-no-process", "no parked process of it lives")
+            if live:
+                tool = await self.parker.restore([p for p, _ in live], self.cfg.restore_timeout)
         except Exception as ex:
-            out = Outcome(False, "restore-error", str(ex)[:300])
-        ms = int((time.monotonic() - t0) * 1000)
-        self._report(
-            e.op,
-            token,
-            lambda: self.sm.restore_done(e.op, out.ok, ms, out.reason, out.text, _now()),
-        )
+            error = str(ex)[:300]
+        report = RestoreReport(ms=self._ms_since(t0), live=live, tool=tool, error=error)
+        self._report(e.op, token, lambda: self.sm.restore_done(e.op, report, self._clock()))
 
     async def _recover_op(self, e: Recover, token: object) -> None:
         bound = max(self.cfg.park_timeout, self.cfg.restore_timeout)
         try:
-            res = await recovery.recover(self.parker, e.intent, e.procs, bound, e.root)
-            if res.result == "parked":
-                after = self._census(e.gpu).of(e.wid)
-                if after > e.parked_max:
-                    text = f"{after} bytes still on GPU {e.gpu} after recovery"
-                    res = recovery.Recovered("fault", (), "still-resident", text)
+            reading = await recovery.read(self.parker, e.procs, bound, e.root, self.host)
+            plan = self.sm.recovery_plan(e.op, reading)
+            steps = await recovery.perform(self.parker, plan.steps, bound)
+            after = self._bytes_of(e.gpu, e.wid, "recover-error")
+            report = RecoverReport(reading, steps, after)
+            log.info(
+                "recovering %s (%s): %s, steps %s",
+                e.workload,
+                e.intent,
+                plan.result.result,
+                "ok" if steps.ok else f"failed: {steps.reason} {steps.text}",
+            )
         except Exception as ex:
-            res = recovery.Recovered("fault", (), "recover-error", str(ex)[:300])
-        log.info(
-            "recovered %s (%s): %s %s", e.workload, e.intent, res.result, res.text or res.reason
-        )
-        self._report(
-            e.op,
-            token,
-            lambda: self.sm.recover_done(e.op, res.result, res.procs, res.reason, res.text, _now()),
-        )
+            report = RecoverReport(error=str(ex)[:300])
+        self._report(e.op, token, lambda: self.sm.recover_done(e.op, report, self._clock()))
 
     async def _ask_timer(self, e: AskPark, token: object, scope: trio.CancelScope) -> None:
         with scope:
@@ -832,44 +804,38 @@ class Server:
             self._disown(e.op, token)  # answered: the op went on without this timer
             return
         self._asks.pop(e.op, None)
-        self._report(e.op, token, lambda: self.sm.ask_expired(e.op, _now()))
+        self._report(e.op, token, lambda: self.sm.ask_expired(e.op, self._clock()))
 
     async def _recheck(self, e: Recheck, due: float) -> None:
         await trio.sleep_until(due)
         if self._recheck_due.get(e.gpu) == due:
             del self._recheck_due[e.gpu]
         try:
-            self._apply(self.sm.recheck(e.gpu, _now()))
+            self._apply(self.sm.recheck(e.gpu, self._clock()))
         except Exception:  # a timer must never take the daemon down
             log.exception("recheck of GPU %d failed", e.gpu)
 
     async def _reap(self, e: Reap) -> None:
+        # Reads and reports until the state machine says stop; it decides what the
+        # readings mean, and when a faulted workload's processes are killed (`Kill`).
         ident = (e.pid, int(e.start_time))
-        started = trio.current_time()
-        killed = False
         while True:
-            alive = procs.alive(ident)
-            holders: list[int] = []
+            alive = self.host.alive(ident)
+            nbytes: int | None = None  # unread: the GPU stays taken
+            holders: tuple[int, ...] = ()
             try:
                 taken = self._census(e.gpu)
-                nbytes, holders = taken.of(e.wid), taken.pids_by_wid.get(e.wid, [])
+                nbytes, holders = taken.of(e.wid), tuple(taken.pids_by_wid.get(e.wid, []))
             except Exception:
-                nbytes = 1  # unknown: keep the GPU taken
+                pass
             try:
-                fx, done = self.sm.memory_report(e.wid, alive, nbytes, _now())
+                fx, done = self.sm.memory_report(e.wid, alive, nbytes, self._clock(), holders)
                 self._apply(fx)
             except Exception:  # a reaper must never take the daemon down
                 log.exception("reaping %s failed", e.workload)
                 done = False
             if done:
                 return
-            late = e.kill_after is not None and trio.current_time() - started >= e.kill_after
-            if alive and late and not killed and holders:
-                # Only the processes that hold the GPU: the registrant (say, a launcher
-                # that is stopping its child) is left to finish its own cleanup.
-                n = procs.kill_pids(holders)
-                log.error("killed %d GPU processes of faulted workload %s", n, e.workload)
-                killed = True
             await trio.sleep(REAP_EVERY)
 
     # ---- status ----------------------------------------------------------------------
@@ -878,12 +844,12 @@ class Server:
         # Only where the kernel lacks /proc/PID/task/TID/children: then one whole-/proc
         # pass is shared by every STATUS within CHILDREN_TTL, so a flood of STATUS costs
         # one pass per interval, not one per request.
-        if procs.HAS_CHILDREN_FILES:
+        if self.host.HAS_CHILDREN_FILES:
             return None
         at, kids = self._children
         now = time.monotonic()
         if now - at > CHILDREN_TTL:
-            kids = procs.children_map()
+            kids = self.host.children_map()
             self._children = (now, kids)
         return kids
 
@@ -894,7 +860,7 @@ class Server:
         workloads = self.sm.workloads()
         children = self._children_map() if any(w.tree for w in workloads) else {}
         for entry, w in zip(body["workloads"], workloads, strict=True):
-            entry["pids"] = procs.tree((w.pid, int(w.start_time)), w.tree, children)
+            entry["pids"] = self.host.tree((w.pid, int(w.start_time)), w.tree, children)
         for entry in body["gpus"]:
             op = self.sm.gpus[entry["index"]].op
             owner = self._owners.get(op.op_id) if op is not None else None
@@ -913,16 +879,16 @@ class Server:
         }
 
 
-def _upgrade_entry(e: dict[str, Any]) -> None:
+def _upgrade_entry(e: dict[str, Any], host: procs.ProcessTable = procs) -> None:
     """Journals written before processes were journaled with their start times name
     parked pids alone: pair each still-live one with its start time now."""
     if "parked_procs" not in e and e.get("parked_pids"):
         # Only processes of the workload's tree now, started after its root: a pid that
         # was reused by someone else's process is never taken for ours.
         root = (int(e["pid"]), int(e["start_time"]))
-        members = set(procs.tree(root, bool(e.get("tree", True))))
+        members = set(host.tree(root, bool(e.get("tree", True))))
         e["parked_procs"] = [
             [p, st]
             for p in map(int, e["parked_pids"])
-            if p in members and (st := procs.start_time(p)) is not None and st >= root[1]
+            if p in members and (st := host.start_time(p)) is not None and st >= root[1]
         ]

@@ -4,7 +4,19 @@ Every method is synchronous, takes `now` (monotonic seconds) where time matters,
 returns the effects the server must perform, in order. A refused request raises a
 `RequestError` before anything changes. Promotion of the next waiter happens in exactly
 one place, `_reconcile`; every other method only frees, queues or records results and
-then calls it (llm-d's Yield vs reconcile). See `slicer.model` for the transition table.
+then calls it (llm-d's Yield vs reconcile). See `slicer.model` for the transition table:
+every move is checked against it before anything changes, so an illegal one raises
+`IllegalTransition` and leaves the machine as it was.
+
+The server only measures and performs effects. What its measurements mean is decided
+here, by the rules of `slicer.policy`: it hands in a census of a GPU (`verified`), what it
+saw around a park or restore (`park_done`, `restore_done`), the real state of a recovering
+workload's processes (`recovery_plan`, `recover_done`), a reaper's reading
+(`memory_report`), a new connection's credentials (`connect`).
+
+Around this class, by concept, all pure: `slicer.policy` (the rules, and the choice of the
+next move on a GPU), `slicer.rescue` (the stages of a cooperative park nobody did),
+`slicer.restart` (journal entries out and back in), `slicer.views` (STATUS and EVENT bodies).
 """
 
 from __future__ import annotations
@@ -14,15 +26,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_slicer.slicer import errors
+from gpu_slicer.slicer import errors, policy, rescue, restart, views
 from gpu_slicer.slicer.effects import (
-    AskPark,
     ConnId,
     Deny,
     Effect,
-    Emit,
     Grant,
-    Park,
+    Kill,
     Persist,
     Reap,
     Recheck,
@@ -46,6 +56,15 @@ from gpu_slicer.slicer.model import (
     Workload,
     WState,
 )
+from gpu_slicer.slicer.readings import (
+    Census,
+    ParkReport,
+    RecoverReport,
+    RecoveryReading,
+    RestoreReport,
+    Unreadable,
+)
+from gpu_slicer.slicer.views import event
 
 
 @dataclass(frozen=True)
@@ -58,6 +77,11 @@ class Limits:
     recheck_every: float = 0.5
     adopt_grace: float = 60.0
     registrant_park_timeout: float = 60.0
+    # Foreign memory (no workload's) on a GPU blocks grants there (config `foreign`).
+    foreign_blocks: bool = True
+    max_connections: int = 1024
+    max_connections_per_uid: int = 64  # root and the allowed group are exempt
+    reserved_connections: int = 32  # of max_connections, kept for root
 
 
 @dataclass(frozen=True)
@@ -67,15 +91,6 @@ class ProcessInfo:
     pid: int
     start_time: float
     uid: int
-
-
-def _idents(raw: Any) -> tuple[Ident, ...]:
-    """Journaled [[pid, start], ...] as idents (anything malformed is skipped)."""
-    out: list[Ident] = []
-    for item in raw if isinstance(raw, list) else []:
-        if isinstance(item, list) and len(item) == 2:
-            out.append((int(item[0]), int(item[1])))
-    return tuple(out)
 
 
 class SlicerState:
@@ -91,6 +106,7 @@ class SlicerState:
         self._ops = itertools.count(1)
         self._wids = itertools.count(1)
         self.totals = {"grants": 0, "parks": 0, "restores": 0, "faults": 0}
+        self._per_uid: dict[int, int] = {}
 
     # ---- lookups ---------------------------------------------------------------------
 
@@ -129,14 +145,37 @@ class SlicerState:
 
     def connect(self, conn: ConnId, uid: int, pid: int, trusted: bool = False) -> None:
         """Record a new connection and its peer credentials (`trusted`: its peer is in
-        the configured `allow_group`)."""
+        the configured `allow_group`); `LimitReached` when the connection limits refuse
+        it (then nothing is recorded)."""
+        lim = self.limits
+        why = policy.refusal(
+            total=len(self.conns),
+            of_uid=self._per_uid.get(uid, 0),
+            uid=uid,
+            exempt=uid == 0 or trusted,
+            most=lim.max_connections,
+            per_uid=lim.max_connections_per_uid,
+            reserved=lim.reserved_connections,
+        )
+        if why:
+            raise errors.LimitReached(why)
         self.conns[conn] = Conn(uid=uid, pid=pid, trusted=trusted)
+        self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
 
     def conn_closed(self, conn: ConnId, now: float) -> list[Effect]:
         """A connection closed: drop its wait, end its turn, end its registrations."""
-        info = self.conns.pop(conn, None)
+        info = self.conns.get(conn)
         if info is None:
             return []
+        ended = [w for w in self.registered.values() if w.registrant == conn]
+        for gpu in self.gpus.values():
+            if gpu.holder is not None and (gpu.holder.conn == conn or gpu.holder.workload in ended):
+                gpu.holder.workload.check(WState.IDLE)  # every turn it ends, before any change
+        del self.conns[conn]
+        if (left := self._per_uid.get(info.uid, 0) - 1) > 0:
+            self._per_uid[info.uid] = left
+        else:
+            self._per_uid.pop(info.uid, None)
         fx: list[Effect] = []
         touched: set[int] = set()
         if info.waiting_on is not None:
@@ -150,7 +189,7 @@ class SlicerState:
             # trust what the backend sees right now (a wake may still be under way).
             w.must_park = w.holder_died = True
             touched.add(held.index)
-        for w in [w for w in self.registered.values() if w.registrant == conn]:
+        for w in ended:
             touched.add(w.gpu)
             self._end_registration(w, now, fx)
         for gpu in self.gpus.values():
@@ -207,7 +246,7 @@ class SlicerState:
             w = self.orphans.pop(adopt.wid)
             w.registrant, w.tree, w.park, w.parked_max = conn, tree, park, parked_max
             w.owner_uid, w.fallback, w.ask = proc.uid, fallback, ask
-            event = "adopted"
+            kind = "adopted"
         else:
             w = Workload(
                 wid=next(self._wids),
@@ -228,10 +267,10 @@ class SlicerState:
                 others = [x for x in self._on_gpu(self.gpus[gpu_index]) if x.state in RESIDENT]
                 # The newcomer is parked at once; whoever was resident first stays.
                 w.must_park = bool(others)
-            event = "registered"
+            kind = "registered"
         self.registered[name] = w
         fx.append(Reply(conn, {"workload": name, "gpu": str(w.gpu), "state": str(w.state)}))
-        fx.append(self._event(event, w, now, pid=w.pid))
+        fx.append(event(kind, w, now, pid=w.pid))
         fx.append(Persist())
         fx += self._reconcile(self.gpus[w.gpu], now)
         return fx
@@ -254,7 +293,7 @@ class SlicerState:
         gpu.queue[conn] = Waiter(conn=conn, workload=w, since=now)
         gpu.waiting[w.wid] = gpu.waiting.get(w.wid, 0) + 1
         peer.waiting_on = gpu.index
-        fx: list[Effect] = [self._event("queued", w, now, position=len(gpu.queue))]
+        fx: list[Effect] = [event("queued", w, now, position=len(gpu.queue))]
         fx += self._notify_waiting(gpu)
         fx += self._reconcile(gpu, now)
         return fx
@@ -304,13 +343,6 @@ class SlicerState:
 
     # ---- results of effects ----------------------------------------------------------
 
-    def _take_op(self, op_id: int, kind: OpKind) -> tuple[Gpu, Op] | None:
-        for gpu in self.gpus.values():
-            if gpu.op is not None and gpu.op.op_id == op_id and gpu.op.kind is kind:
-                op, gpu.op = gpu.op, None
-                return gpu, op
-        return None
-
     def park_started(self, op_id: int, procs: tuple[Ident, ...], nbytes: int) -> list[Effect]:
         """The server is about to run cuda-checkpoint on `procs` (holding `nbytes`) for
         park `op_id`: journal them first, so that a restart knows whom to ask."""
@@ -321,24 +353,29 @@ class SlicerState:
         w.op_procs, w.op_bytes = procs, nbytes
         return [Persist()]
 
-    def park_deferred(self, op_id: int, why: str, now: float) -> list[Effect]:
-        """The processes of park `op_id` could not be journaled (full disk): the tool
-        must not run (a crash would leave checkpointed processes nobody knows of). The
-        workload stays resident and must park; the GPU stays taken until it can."""
+    def park_journaled(self, op_id: int, durable: bool, now: float) -> tuple[list[Effect], bool]:
+        """The server wrote the journal `park_started` asked for; `durable`: it is on
+        disk. Returns the effects and whether cuda-checkpoint may run now. It may not when
+        the journal is not on disk (a crash would leave checkpointed processes nobody
+        knows of): the workload stays resident and must park, the GPU stays taken until
+        it can."""
         index = self._op_gpu(op_id, OpKind.PARK)
         if index < 0:
-            return []
+            return [], False
+        if durable:
+            return [], True
         gpu = self.gpus[index]
         assert gpu.op is not None
-        op, gpu.op = gpu.op, None
+        op = gpu.op
         w = op.workload
         w.to(WState.IDLE)
+        gpu.op = None
         w.op_procs, w.op_bytes = (), 0
         w.must_park, w.park_reply = True, op.reply_conn
         return [
-            self._event("park-deferred", w, now, reason=why),
+            event("park-deferred", w, now, reason="journal-unwritable"),
             Recheck(gpu.index, self.limits.recheck_every),
-        ]
+        ], False
 
     def _op_gpu(self, op_id: int, kind: OpKind) -> int:
         for gpu in self.gpus.values():
@@ -346,43 +383,39 @@ class SlicerState:
                 return gpu.index
         return -1
 
-    def park_done(
-        self,
-        op_id: int,
-        ok: bool,
-        ms: int,
-        moved: int,
-        procs: tuple[Ident, ...],
-        reason: str,
-        text: str,
-        now: float,
-    ) -> list[Effect]:
-        """A Park effect finished (verified through the backend when `ok`); `procs` are
-        the processes checkpointed, which a restore must bring back."""
+    def park_done(self, op_id: int, report: ParkReport, now: float) -> list[Effect]:
+        """A Park effect finished; `report` is what the server measured around it. Whether
+        the park held is decided here (`policy.judge_park`); the processes it checkpointed
+        are what a restore must bring back."""
         index = self._op_gpu(op_id, OpKind.PARK)
         if index < 0:
             return []
         gpu = self.gpus[index]
         assert gpu.op is not None
         op = gpu.op
-        if not ok and op.workload.park == "cooperative" and op.stage is not ParkStage.CHECKPOINT:
+        w = op.workload
+        cooperative = w.park == "cooperative" and op.stage is not ParkStage.CHECKPOINT
+        verdict = policy.judge_park(report, gpu.index, w.parked_max, cooperative)
+        ok, reason, text, ms = verdict.ok, verdict.reason, verdict.text, report.ms
+        if not ok and cooperative:
             # A cooperative workload nobody parked: ask its registrant, then fall back.
             return self._cooperative_next(op, reason, text, now)
+        w.check(WState.PARKED if ok else WState.FAULTED)
         gpu.op = None
-        w = op.workload
         w.op_procs, w.op_bytes = (), 0
         fx: list[Effect] = []
         if ok:
             w.to(WState.PARKED)
             w.parks += 1
             self.totals["parks"] += 1
+            moved, procs = verdict.moved, verdict.procs
             w.last_park_ms, w.parked_bytes, w.parked_procs = ms, moved, procs
             how = "checkpoint" if procs else "cooperative"
-            fx += [self._event("parked", w, now, park_ms=ms, bytes=moved, how=how), Persist()]
+            fx += [event("parked", w, now, park_ms=ms, bytes=moved, how=how), Persist()]
             if op.reply_conn is not None:
                 fx.append(Reply(op.reply_conn, {"parked": "1", "park_ms": str(ms)}))
             if w.detached:
-                fx.append(self._reap(w, kill_after=None))
+                fx.append(self._reap(w, None, now))
         else:
             fx += self._fault(w, reason, text or f"park failed: {reason}", now)
             if op.reply_conn is not None:
@@ -392,11 +425,11 @@ class SlicerState:
     def _cooperative_next(self, op: Op, reason: str, text: str, now: float) -> list[Effect]:
         # The op stays on the GPU through its stages: nobody is granted meanwhile.
         w = op.workload
-        if op.stage is ParkStage.VERIFY and (asked := self._ask(op, now, reason)) is not None:
-            return asked
-        if w.fallback == "checkpoint":
-            return self._checkpoint_fallback(op, now, reason)
+        timeout = self.limits.registrant_park_timeout
+        if (fx := rescue.next_stage(op, self._asker(w), timeout, reason, now)) is not None:
+            return fx
         gpu = self.gpus[w.gpu]
+        w.check(WState.FAULTED)
         gpu.op = None
         fx = self._fault(w, reason, text or f"park failed: {reason}", now)
         if op.reply_conn is not None:
@@ -409,39 +442,12 @@ class SlicerState:
         for gpu in self.gpus.values():
             op = gpu.op
             if op is not None and op.stage is ParkStage.ASK and op.workload.detached:
-                fx += self._after_ask(op, False, now)
+                fx += rescue.after_answer(op, False, now)
         return fx
 
-    def _ask(self, op: Op, now: float, reason: str) -> list[Effect] | None:
-        w = op.workload
-        asker = w.registrant if w.ask and w.registrant in self.conns else None
-        if asker is None:
-            return None
-        op.stage = ParkStage.ASK
-        timeout = self.limits.registrant_park_timeout
-        return [
-            self._event("park-asked", w, now, reason=reason, timeout_s=timeout),
-            AskPark(op.op_id, asker, w.name, w.last_turn, timeout),
-        ]
-
-    def _checkpoint_fallback(self, op: Op, now: float, reason: str) -> list[Effect]:
-        w = op.workload
-        op.stage = ParkStage.CHECKPOINT
-        return [
-            self._event("park-fallback", w, now, reason=reason),
-            Park(op.op_id, w.wid, w.name, w.gpu, "checkpoint", w.parked_max),
-        ]
-
-    def _after_ask(self, op: Op, answered: bool, now: float) -> list[Effect]:
-        # A confirmed park is verified through the backend. Without a confirmation the
-        # workload may be mid-transition (a wake its dead holder left in flight): where
-        # allowed, cuda-checkpoint it, since a locked process runs no CUDA work whatever
-        # it was doing; else the backend alone decides.
-        w = op.workload
-        if not answered and w.fallback == "checkpoint":
-            return self._checkpoint_fallback(op, now, "not-parked-by-registrant")
-        op.stage = ParkStage.REVERIFY
-        return [Park(op.op_id, w.wid, w.name, w.gpu, "cooperative", w.parked_max)]
+    def _asker(self, w: Workload) -> ConnId | None:
+        # Who can park `w` itself: its connected registrant, if it said ask=1.
+        return w.registrant if w.ask and w.registrant in self.conns else None
 
     def parked_answer(
         self, conn: ConnId, name: str, turn: int, ok: bool, now: float
@@ -462,8 +468,8 @@ class SlicerState:
             or turn != w.last_turn
         ):
             raise errors.NotAsked(f"no PARK of {name} turn={turn} is pending")
-        fx: list[Effect] = [Reply(conn), self._event("park-answered", w, now, ok=ok)]
-        return fx + self._after_ask(op, ok, now)
+        fx: list[Effect] = [Reply(conn), event("park-answered", w, now, ok=ok)]
+        return fx + rescue.after_answer(op, ok, now)
 
     def ask_expired(self, op_id: int, now: float) -> list[Effect]:
         """The registrant did not answer the PARK of op `op_id` in time."""
@@ -471,26 +477,39 @@ class SlicerState:
         op = self.gpus[index].op if index >= 0 else None
         if op is None or op.stage is not ParkStage.ASK:
             return []
-        return [self._event("park-ask-expired", op.workload, now), *self._after_ask(op, False, now)]
+        return [event("park-ask-expired", op.workload, now), *rescue.after_answer(op, False, now)]
 
-    def recover_done(
-        self,
-        op_id: int,
-        result: str,
-        procs: tuple[Ident, ...],
-        reason: str,
-        text: str,
-        now: float,
-    ) -> list[Effect]:
-        """A Recover effect finished: `result` is "parked" (`procs` are checkpointed),
-        "resident" (the processes run, memory on the device), "gone" (no process of it
-        lives) or "fault" (the driver reports a failure, or a tool never ended)."""
-        taken = self._take_op(op_id, OpKind.RECOVER)
-        if taken is None:
+    def recovery_plan(self, op_id: int, reading: RecoveryReading) -> policy.RecoveryPlan:
+        """The cuda-checkpoint steps that finish or roll back recovery op `op_id`, from
+        `reading` (`policy.plan_recovery`); asking changes nothing."""
+        index = self._op_gpu(op_id, OpKind.RECOVER)
+        op = self.gpus[index].op if index >= 0 else None
+        if op is None:
+            return policy.RecoveryPlan()
+        return policy.plan_recovery(str(op.workload.recover), reading)
+
+    def recover_done(self, op_id: int, report: RecoverReport, now: float) -> list[Effect]:
+        """A Recover effect finished. From `report` (the reading its plan was made from,
+        how the plan's steps went, the bytes left on the device) the workload is judged
+        (`policy.judge_recovery`): "parked" (its processes are checkpointed), "resident"
+        (they run, memory on the device), "gone" (no process of it lives) or "fault" (the
+        driver reports a failure, a tool never ended, or memory stayed)."""
+        index = self._op_gpu(op_id, OpKind.RECOVER)
+        if index < 0:
             return []
-        gpu, op = taken
+        gpu = self.gpus[index]
+        assert gpu.op is not None
+        op = gpu.op
         w = op.workload
-        intent, w.recover = w.recover, None
+        intent = str(w.recover)
+        judged = policy.judge_recovery(intent, report, gpu.index, w.parked_max)
+        result, procs, reason, text = judged.result, judged.procs, judged.reason, judged.text
+        target = {"parked": WState.PARKED, "gone": WState.PARKED, "resident": WState.IDLE}
+        to = target.get(result, WState.FAULTED)
+        if not (to is WState.PARKED and w.state is WState.PARKED):  # a parked one may stay
+            w.check(to)
+        gpu.op = None
+        w.recover = None
         nbytes = w.op_bytes if intent == "park" and w.op_bytes else w.parked_bytes
         w.op_procs, w.op_bytes = (), 0
         fx: list[Effect] = []
@@ -506,22 +525,27 @@ class SlicerState:
                 fx.append(Recheck(w.gpu, self.limits.adopt_grace))
         else:
             fx += self._fault(w, reason, text or f"recovery failed: {reason}", now)
-        fx += [self._event("recovered", w, now, intent=intent, result=result), Persist()]
+        fx += [event("recovered", w, now, intent=intent, result=result), Persist()]
         if w.detached and w.state is WState.PARKED:
-            fx.append(self._reap(w, kill_after=None))
+            fx.append(self._reap(w, None, now))
         return fx + self._reconcile(gpu, now)
 
-    def restore_done(
-        self, op_id: int, ok: bool, ms: int, reason: str, text: str, now: float
-    ) -> list[Effect]:
-        """A Restore effect finished."""
-        taken = self._take_op(op_id, OpKind.RESTORE)
-        if taken is None:
+    def restore_done(self, op_id: int, report: RestoreReport, now: float) -> list[Effect]:
+        """A Restore effect finished; `report` is what the server saw. Whether it held is
+        decided here (`policy.judge_restore`). A restored workload is idle until
+        `_reconcile` grants it to the waiter it was restored for (if still there)."""
+        index = self._op_gpu(op_id, OpKind.RESTORE)
+        if index < 0:
             return []
-        gpu, op = taken
-        w = op.workload
+        gpu = self.gpus[index]
+        assert gpu.op is not None
+        w = gpu.op.workload
+        out = policy.judge_restore(report)
+        reason, text = out.reason, out.text
+        w.check(WState.IDLE if out.ok else WState.FAULTED)
+        gpu.op = None
         fx: list[Effect] = []
-        if not ok:
+        if not out.ok:
             waiters = [x for x in gpu.queue.values() if x.workload is w]
             for waiter in waiters:
                 self._unqueue(gpu, waiter)
@@ -529,111 +553,120 @@ class SlicerState:
             for waiter in waiters:
                 fx.append(Deny(waiter.conn, errors.RestoreFailed(f"{w.name}: {reason}")))
             return fx + self._reconcile(gpu, now)
+        w.to(WState.IDLE)
         w.restores += 1
         self.totals["restores"] += 1
-        w.last_restore_ms, w.parked_bytes, w.parked_procs = ms, 0, ()
-        fx.append(Persist())
+        w.last_restore_ms, w.parked_bytes, w.parked_procs = report.ms, 0, ()
+        fx += [Persist(), event("restored", w, now, restore_ms=report.ms)]
+        # Verified before the restore began: granted without another look, as restored
+        # (the grant says so also when something crowding the GPU is parked first).
         head = gpu.head()
-        if head is not None and head.workload is w and gpu.holder is None:
-            granted = self._grant(gpu, head, restored=True, now=now)
-            return [*fx, self._event("restored", w, now, restore_ms=ms), *granted]
-        w.to(WState.IDLE)
-        fx.append(self._event("restored", w, now, restore_ms=ms))
-        return fx + self._reconcile(gpu, now)
+        w.restored = head is not None and head.workload is w
+        return fx + self._reconcile(gpu, now, verified=w)
 
-    def verified(self, op_id: int, blockers: list[dict[str, Any]], now: float) -> list[Effect]:
-        """A Verify effect finished; `blockers` lists what else holds the GPU (or room)."""
-        taken = self._take_op(op_id, OpKind.VERIFY)
-        if taken is None:
+    def verified(
+        self, op_id: int, seen: Census | Unreadable, now: float, free: int | None = None
+    ) -> list[Effect]:
+        """A Verify effect finished: `seen` is the census of the GPU (or why it could not
+        be read), `free` its free bytes (read when the Verify asked for room). What blocks
+        the grant is decided here (`policy.blockers`) and shown in STATUS until clean."""
+        index = self._op_gpu(op_id, OpKind.VERIFY)
+        if index < 0:
             return []
-        gpu, op = taken
-        if blockers:
-            gpu.foreign = blockers
+        gpu = self.gpus[index]
+        op = gpu.op
+        assert op is not None
+        block = policy.blockers(
+            seen,
+            op.workload.wid,
+            self._on_gpu(gpu),
+            need=op.need,
+            free=free,
+            foreign_blocks=self.limits.foreign_blocks,
+        )
+        if block:
+            gpu.op, gpu.foreign = None, block
             return [Recheck(gpu.index, self.limits.recheck_every)]
-        gpu.foreign = []
-        return self._reconcile(gpu, now, verified=op.workload)
+        move = policy.next_move(gpu, self._on_gpu(gpu), now, op.workload, answering=op)
+        if move is not None:
+            move.check()  # before the op is taken: an illegal move changes nothing
+        gpu.op, gpu.foreign = None, []
+        return self._make(gpu, move, now) if move is not None else []
 
     def recheck(self, gpu_index: int, now: float) -> list[Effect]:
         """Try again to promote on a GPU that was blocked by foreign memory."""
         return self._reconcile(self.gpus[gpu_index], now)
 
     def memory_report(
-        self, wid: int, alive: bool, nbytes: int, now: float
+        self,
+        wid: int,
+        alive: bool,
+        nbytes: int | None,
+        now: float,
+        holders: tuple[int, ...] = (),
     ) -> tuple[list[Effect], bool]:
-        """The reaper's view of a faulted or orphaned workload's processes.
+        """The reaper's view of a faulted or orphaned workload's processes: whether its
+        registered process lives, its device bytes (None: unreadable, which keeps the GPU
+        taken) and the pids holding them.
 
         Returns the effects and whether the reaper may stop: it stops once the record is
         gone, and the record is dropped (then the GPU promotes) once the registration
-        ended and the processes are dead or, when faulted, hold no GPU memory.
+        ended and the processes are dead or, when faulted, hold no GPU memory. A faulted
+        workload's GPU processes are killed once its `fault_kill_after` has passed
+        (`policy.kill_due`).
         """
         w = self.orphans.get(wid)
         if w is None:
             # Registered (again): a reaper of a faulted one goes on (its kill deadline);
             # any other stops, and a new one starts if the registration ends again.
             live = self.by_wid(wid)
-            return [], live is None or live.state is not WState.FAULTED
+            if live is None or live.state is not WState.FAULTED:
+                return [], True
+            return self._kill_if_due(live, alive, holders, now), False
         gone = not alive or (w.state is WState.FAULTED and nbytes == 0)
         if w.state not in (WState.FAULTED, WState.PARKED) or not gone:
-            return [], False
+            return self._kill_if_due(w, alive, holders, now), False
         del self.orphans[wid]
-        fx: list[Effect] = [self._event("forgotten", w, now), Persist()]
+        fx: list[Effect] = [event("forgotten", w, now), Persist()]
         return fx + self._reconcile(self.gpus[w.gpu], now), True
+
+    def _kill_if_due(
+        self, w: Workload, alive: bool, holders: tuple[int, ...], now: float
+    ) -> list[Effect]:
+        if w.state is not WState.FAULTED:
+            return []
+        if not policy.kill_due(w.kill_at, w.killed, alive, holders, now):
+            return []
+        w.killed = True
+        return [Kill(w.wid, w.name, holders)]
 
     # ---- restart ---------------------------------------------------------------------
 
     def adopt_journal(self, entries: list[dict[str, Any]], now: float) -> list[Effect]:
         """Load journaled workloads whose processes still live, as orphans awaiting a
-        re-REGISTER; then mark every GPU clean and promote.
+        re-REGISTER (`restart.resumed` decides each one's state); then mark every GPU
+        clean and promote.
 
-        Each entry carries the server's fresh measurement: `alive` and `resident_bytes`.
+        Each entry carries the server's fresh measurement: `alive` and `resident_bytes`
+        (None when the GPU could not be read: unknown memory counts as resident, so it is
+        parked before any grant).
         """
         fx: list[Effect] = []
         for e in entries:
-            if not e.get("alive") or int(e["gpu"]) not in self.gpus:
+            if int(e["gpu"]) not in self.gpus:
                 continue
-            w = Workload(
-                wid=next(self._wids),
-                name=str(e["name"]),
-                gpu=int(e["gpu"]),
-                pid=int(e["pid"]),
-                start_time=float(e["start_time"]),
-                tree=bool(e["tree"]),
-                park=str(e["park"]),
-                parked_max=int(e["parked_max"]),
-                owner_uid=int(e["owner_uid"]),
-                registrant=None,
-                parks=int(e.get("parks", 0)),
-                restores=int(e.get("restores", 0)),
-                faults=int(e.get("faults", 0)),
-                parked_bytes=int(e.get("parked_bytes", 0)),
-                parked_procs=_idents(e.get("parked_procs")),
-                fallback=str(e.get("fallback", "none")),
-                ask=bool(e.get("ask", False)),
-            )
-            state, op_procs = e.get("state"), _idents(e.get("op_procs"))
-            if state == WState.FAULTED:
-                w.state, w.fault_reason = WState.FAULTED, str(e.get("fault_reason"))
-                fx.append(self._reap(w, kill_after=self.limits.fault_kill_after))
-            elif state == WState.PARKING and op_procs:
-                # The tool may have run (or still run) on these: ask the driver.
-                w.state, w.recover = WState.PARKING, "park"
-                w.op_procs, w.op_bytes = op_procs, int(e.get("op_bytes", 0))
-            elif state in (WState.PARKED, WState.RESTORING) and w.parked_procs:
-                w.state = WState(str(state))
-                w.recover = "restore" if state == WState.RESTORING else "park"
-                w.op_procs = w.parked_procs
-            elif int(e["resident_bytes"]) > w.parked_max:
-                w.state = WState.IDLE
-                if w.park == "cooperative":
-                    w.hold_until = now + self.limits.adopt_grace
-                    fx.append(Recheck(w.gpu, self.limits.adopt_grace))
-            elif e.get("state") in (WState.PARKED, WState.PARKING, WState.RESTORING):
-                w.state = WState.PARKED
-                fx.append(self._reap(w, kill_after=None))
-            else:
+            back = restart.resumed(e, next(self._wids))
+            if back is None:
                 continue
+            w = back.workload
+            if back.then in ("reap", "reap-kill"):
+                kill_after = self.limits.fault_kill_after if back.then == "reap-kill" else None
+                fx.append(self._reap(w, kill_after, now))
+            elif back.then == "hold":
+                w.hold_until = now + self.limits.adopt_grace
+                fx.append(Recheck(w.gpu, self.limits.adopt_grace))
             self.orphans[w.wid] = w
-            fx.append(self._event("recovered", w, now))
+            fx.append(event("recovered", w, now))
         for gpu in self.gpus.values():
             gpu.dirty = False
         fx.append(Persist())
@@ -643,88 +676,12 @@ class SlicerState:
 
     def journal(self) -> list[dict[str, Any]]:
         """What a restarted daemon needs to know: every tracked workload's processes."""
-        return [
-            {
-                "name": w.name,
-                "gpu": w.gpu,
-                "pid": w.pid,
-                "start_time": w.start_time,
-                "tree": w.tree,
-                "park": w.park,
-                "parked_max": w.parked_max,
-                "owner_uid": w.owner_uid,
-                "state": str(w.state),
-                "parked_bytes": w.parked_bytes,
-                "parked_procs": [list(p) for p in w.parked_procs],
-                "op_procs": [list(p) for p in w.op_procs],
-                "op_bytes": w.op_bytes,
-                "fallback": w.fallback,
-                "ask": w.ask,
-                "parks": w.parks,
-                "restores": w.restores,
-                "faults": w.faults,
-                "fault_reason": w.fault_reason,
-            }
-            for w in self.workloads()
-        ]
+        return restart.journal_entries(self.workloads())
 
     def status(self) -> dict[str, Any]:
         """The GPUs, workloads and totals, as STATUS reports them (the server adds pids,
         version and uptime)."""
-        gpus = []
-        for gpu in self.gpus.values():
-            residents = [w for w in self._on_gpu(gpu) if w.state in RESIDENT]
-            holder = gpu.holder
-            gpus.append(
-                {
-                    "index": gpu.index,
-                    "uuid": gpu.uuid,
-                    "resident": residents[0].name if residents else None,
-                    "holder": (
-                        {"workload": holder.workload.name, "turn": holder.turn}
-                        if holder is not None
-                        else None
-                    ),
-                    "queue": [x.workload.name for x in gpu.queue.values()],
-                    "grants": gpu.grants,
-                    "busy": str(gpu.op.kind) if gpu.op is not None else None,
-                    "stage": (
-                        str(gpu.op.stage)
-                        if gpu.op is not None and gpu.op.kind is OpKind.PARK
-                        else None
-                    ),
-                    "dirty": gpu.dirty,
-                    "foreign": list(gpu.foreign),
-                }
-            )
-        workloads = []
-        for w in self.workloads():
-            reg = self.conns.get(w.registrant) if w.registrant is not None else None
-            workloads.append(
-                {
-                    "name": w.name,
-                    "gpu": w.gpu,
-                    "state": str(w.state),
-                    "turn": w.turn,
-                    "park": w.park,
-                    "parked_max": w.parked_max,
-                    "pid": w.pid,
-                    "registrant": {"pid": reg.pid, "uid": reg.uid} if reg else None,
-                    "parks": w.parks,
-                    "restores": w.restores,
-                    "faults": w.faults,
-                    "grants": w.grants,
-                    "last_park_ms": w.last_park_ms,
-                    "last_restore_ms": w.last_restore_ms,
-                    "parked_bytes": w.parked_bytes,
-                    "parked_pids": [p for p, _ in w.parked_procs],
-                    "fallback": w.fallback,
-                    "ask": w.ask,
-                    "recovering": w.recover,
-                    "fault_reason": w.fault_reason,
-                }
-            )
-        return {"gpus": gpus, "workloads": workloads, "totals": dict(self.totals)}
+        return views.status_body(self.gpus.values(), self.workloads(), self.conns, self.totals)
 
     # ---- internals -------------------------------------------------------------------
 
@@ -741,13 +698,6 @@ class SlicerState:
                 return w
         return None
 
-    def _event(self, kind: str, w: Workload, now: float, **extra: Any) -> Emit:
-        body = {"event": kind, "t": round(now, 6), "workload": w.name, "gpu": w.gpu}
-        body["turn"] = w.turn
-        body["state"] = str(w.state)
-        body.update(extra)
-        return Emit(body)
-
     def _unqueue(self, gpu: Gpu, waiter: Waiter) -> None:
         if gpu.queue.pop(waiter.conn, None) is not None:
             left = gpu.waiting[waiter.workload.wid] - 1
@@ -755,6 +705,7 @@ class SlicerState:
                 gpu.waiting[waiter.workload.wid] = left
             else:
                 del gpu.waiting[waiter.workload.wid]
+                waiter.workload.restored = False  # restored for nobody now
         peer = self.conns.get(waiter.conn)
         if peer is not None:
             peer.waiting_on = None
@@ -778,15 +729,18 @@ class SlicerState:
 
     def _end_turn(self, gpu: Gpu, now: float, fx: list[Effect], reason: str) -> Workload:
         assert gpu.holder is not None
-        holder, gpu.holder = gpu.holder, None
+        holder = gpu.holder
         w = holder.workload
         w.to(WState.IDLE)
-        fx.append(self._event("released", w, now, how=reason, turn_ended=holder.turn))
+        gpu.holder = None
+        fx.append(event("released", w, now, how=reason, turn_ended=holder.turn))
         w.turn = None
         return w
 
     def _end_registration(self, w: Workload, now: float, fx: list[Effect]) -> None:
         gpu = self.gpus[w.gpu]
+        if gpu.holder is not None and gpu.holder.workload is w:
+            w.check(WState.IDLE)  # its turn ends too: checked before anything changes
         for waiter in [x for x in gpu.queue.values() if x.workload is w]:
             self._unqueue(gpu, waiter)
             fx.append(Deny(waiter.conn, errors.Gone(f"workload {w.name} was unregistered")))
@@ -794,17 +748,19 @@ class SlicerState:
             self._end_turn(gpu, now, fx, reason="unregistered")
         del self.registered[w.name]
         w.registrant = None
-        fx.append(self._event("unregistered", w, now))
+        fx.append(event("unregistered", w, now))
         fx.append(Persist())
         if w.state is WState.REGISTERED:
             return
         self.orphans[w.wid] = w
         if w.state is WState.PARKED:
-            fx.append(self._reap(w, kill_after=None))
+            fx.append(self._reap(w, None, now))
         # IDLE orphans are parked by _reconcile; PARKING/RESTORING finish first; a FAULTED
         # one already has its reaper.
 
-    def _reap(self, w: Workload, kill_after: float | None) -> Reap:
+    def _reap(self, w: Workload, kill_after: float | None, now: float) -> Reap:
+        if kill_after is not None:
+            w.kill_at, w.killed = now + kill_after, False
         return Reap(
             wid=w.wid,
             workload=w.name,
@@ -820,14 +776,14 @@ class SlicerState:
         w.faults += 1
         w.fault_reason = reason
         self.totals["faults"] += 1
-        fx: list[Effect] = [self._event("fault", w, now, reason=reason), Persist()]
+        fx: list[Effect] = [event("fault", w, now, reason=reason), Persist()]
         if w.registrant is not None:
             fx.append(SendFault(w.registrant, w.name, w.last_turn, reason, text))
         gpu = self.gpus[w.gpu]
         for waiter in [x for x in gpu.queue.values() if x.workload is w]:
             self._unqueue(gpu, waiter)
             fx.append(Deny(waiter.conn, errors.Faulted(f"workload {w.name} faulted: {reason}")))
-        fx.append(self._reap(w, kill_after=self.limits.fault_kill_after))
+        fx.append(self._reap(w, self.limits.fault_kill_after, now))
         return fx
 
     def _start_park(self, gpu: Gpu, w: Workload, now: float) -> list[Effect]:
@@ -838,33 +794,22 @@ class SlicerState:
         gpu.op = op
         fx: list[Effect] = [
             Persist(),  # a restart mid-park must know the processes may be checkpointed
-            self._event("parking", w, now),
+            event("parking", w, now),
         ]
-        if unattended:
-            # Its holder died mid-turn: what the backend sees now may be half a wake.
-            # The registrant parks it (vLLM serialises a sleep after a wake in flight),
-            # else cuda-checkpoint, else the backend's word is all there is.
-            if (asked := self._ask(op, now, "holder-closed")) is not None:
-                return fx + asked
-            if w.fallback == "checkpoint":
-                return fx + self._checkpoint_fallback(op, now, "holder-closed")
-        return [
-            *fx,
-            Park(
-                op=op.op_id,
-                wid=w.wid,
-                workload=w.name,
-                gpu=gpu.index,
-                mode=w.park,
-                parked_max=w.parked_max,
-            ),
-        ]
+        # Its holder died mid-turn: what the backend sees now may be half a wake. The
+        # registrant parks it (vLLM serialises a sleep after a wake in flight), else
+        # cuda-checkpoint, else the backend's word is all there is.
+        timeout = self.limits.registrant_park_timeout
+        return fx + rescue.start(op, gpu.index, unattended, self._asker(w), timeout, now)
 
-    def _grant(self, gpu: Gpu, waiter: Waiter, restored: bool, now: float) -> list[Effect]:
-        self._unqueue(gpu, waiter)
+    def _grant(self, gpu: Gpu, waiter: Waiter, now: float) -> list[Effect]:
         w = waiter.workload
-        turn = next(self._turns)
+        # Parked (it restores itself, cooperative) or restored for this waiter by us.
+        restored = w.state is WState.PARKED or w.restored
         w.to(WState.ACTIVE)
+        w.restored = False
+        self._unqueue(gpu, waiter)
+        turn = next(self._turns)
         w.turn = w.last_turn = turn
         w.grants += 1
         gpu.grants += 1
@@ -874,75 +819,63 @@ class SlicerState:
         waited = max(0, int((now - waiter.since) * 1000))
         fx: list[Effect] = [
             Grant(waiter.conn, w.name, turn, restored, waited),
-            self._event("granted", w, now, waited_ms=waited, restored=restored),
+            event("granted", w, now, waited_ms=waited, restored=restored),
         ]
         return fx + self._notify_waiting(gpu)
 
     def _reconcile(self, gpu: Gpu, now: float, verified: Workload | None = None) -> list[Effect]:
-        """The one place that parks for, restores for and grants to the queue head."""
-        if gpu.op is not None or gpu.dirty:
-            return []
-        on_gpu = self._on_gpu(gpu)
-        for w in on_gpu:
-            if w.recover is not None:
-                # A restart interrupted this one's park or restore: settle it first.
+        """The one place that parks for, restores for and grants to the queue head (after
+        settling a recovering workload). It decides (`_decide`, which changes nothing),
+        checks the move against the transition table, then makes it. `verified`: the
+        backend was just read (or a restore just ended) for that workload."""
+        move = policy.next_move(gpu, self._on_gpu(gpu), now, verified)
+        return self._make(gpu, move, now) if move is not None else []
+
+    def _make(self, gpu: Gpu, move: policy.Move, now: float) -> list[Effect]:
+        move.check()
+        w = move.w
+        if w is None:
+            return [Recheck(gpu.index, move.delay)]
+        match move.kind:
+            case "recover":
                 op = Op(OpKind.RECOVER, next(self._ops), w)
                 gpu.op = op
                 return [
-                    self._event("recovering", w, now, intent=w.recover),
+                    event("recovering", w, now, intent=w.recover),
                     Recover(
                         op.op_id,
                         w.wid,
                         w.name,
                         gpu.index,
-                        w.recover,
+                        str(w.recover),
                         w.op_procs,
                         w.parked_max,
                         (w.pid, int(w.start_time)),
                     ),
                 ]
-        residents = [w for w in on_gpu if w.state in RESIDENT]
-        holder_w = gpu.holder.workload if gpu.holder is not None else None
-        head = gpu.head()
-        head_w = head.workload if head is not None else None
-        idle = [w for w in residents if w.state is WState.IDLE]
-        # Dirty or abandoned workloads first, then whoever stands between the head and
-        # the GPU (or crowds it next to another resident).
-        held = [w for w in idle if w.detached and w.hold_until > now]
-        if held:
-            # The GPU stays taken until it is adopted or its grace ends: look again then.
-            return [Recheck(gpu.index, max(0.01, min(w.hold_until for w in held) - now))]
-        for w in idle:
-            if w.must_park or w.detached:
+            case "park":
                 return self._start_park(gpu, w, now)
-        for w in idle:
-            crowded = len(residents) > 1 and w is not holder_w
-            if w is not head_w and (head_w is not None or crowded):
-                return self._start_park(gpu, w, now)
-        if any(w.state is WState.FAULTED for w in residents):
-            return []
-        if gpu.holder is not None or head is None or head_w is None:
-            return []
-        checkpointed = head_w.state is WState.PARKED and bool(head_w.parked_procs)
-        if verified is not head_w:
-            op = Op(OpKind.VERIFY, next(self._ops), head_w)
-            gpu.op = op
-            need = head_w.parked_bytes if checkpointed else 0
-            return [Verify(op.op_id, gpu.index, head_w.wid, need)]
-        if checkpointed:
-            head_w.to(WState.RESTORING)
-            op = Op(OpKind.RESTORE, next(self._ops), head_w)
-            gpu.op = op
-            return [
-                Persist(),
-                self._event("restoring", head_w, now),
-                Restore(
-                    op=op.op_id,
-                    wid=head_w.wid,
-                    workload=head_w.name,
-                    gpu=gpu.index,
-                    procs=head_w.parked_procs,
-                    nbytes=head_w.parked_bytes,
-                ),
-            ]
-        return self._grant(gpu, head, restored=head_w.state is WState.PARKED, now=now)
+            case "verify":
+                checkpointed = w.state is WState.PARKED and bool(w.parked_procs)
+                need = w.parked_bytes if checkpointed else 0
+                op = Op(OpKind.VERIFY, next(self._ops), w, need=need)
+                gpu.op = op
+                return [Verify(op.op_id, gpu.index, w.wid, need)]
+            case "restore":
+                w.to(WState.RESTORING)
+                op = Op(OpKind.RESTORE, next(self._ops), w)
+                gpu.op = op
+                return [
+                    Persist(),
+                    event("restoring", w, now),
+                    Restore(
+                        op=op.op_id,
+                        wid=w.wid,
+                        workload=w.name,
+                        gpu=gpu.index,
+                        procs=w.parked_procs,
+                        nbytes=w.parked_bytes,
+                    ),
+                ]
+        assert move.waiter is not None
+        return self._grant(gpu, move.waiter, now)

@@ -8,7 +8,6 @@ test's ``trio.fail_after``), never for a fixed time.
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,7 +16,10 @@ from dataclasses import dataclass, field
 import psutil
 import trio
 
+from stubs.proc import free_port
 from tests.harness import Stack
+
+__all__ = ["Proc", "free_port", "spawn"]
 
 
 @dataclass
@@ -112,10 +114,3 @@ async def spawn(
             nursery.cancel_scope.cancel()
     assert proc.stdout is not None
     await proc.stdout.aclose()
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -219,7 +219,12 @@ def test_uptime_and_durations_in_local_time(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize(
     ("shell", "marks"),
     [
-        ("bash", ["_SLICERCTL_COMPLETE=bash_complete", "complete -o nosort -F _slicerctl_co"]),
+        # click runs `bash` to read its version before it writes the bash script
+        pytest.param(
+            "bash",
+            ["_SLICERCTL_COMPLETE=bash_complete", "complete -o nosort -F _slicerctl_co"],
+            marks=pytest.mark.integration,
+        ),
         ("zsh", ["#compdef slicerctl", "_SLICERCTL_COMPLETE=zsh_complete", "compdef _slicerctl"]),
     ],
 )
@@ -251,6 +256,7 @@ def test_completion_protocol_answers_commands_and_options() -> None:
     assert "plain,--socket" not in complete("slicerctl run --", 2)  # the group's, not run's
 
 
+@pytest.mark.integration
 def test_completion_in_a_real_bash() -> None:
     exe = Path(sys.executable).parent / "slicerctl"
     if shutil.which("bash") is None or not os.access(exe, os.X_OK):
@@ -595,3 +601,19 @@ def test_integration_demo_passes_its_arguments_through() -> None:
     assert report["ok"] and report["overlaps"] == 0, why
     r = CliRunner().invoke(main, ["demo", "--", "--no-such-option"])
     assert r.exit_code == 2 and "--no-such-option" in r.stderr  # the demo's own usage error
+
+
+@pytest.mark.integration
+def test_demo_outside_a_checkout_says_where_it_runs(tmp_path: Path) -> None:
+    # The demo is the checkout's `demo` package, not the product's: elsewhere one line, 69.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    argv = [sys.executable, "-c", "from gpu_slicer.slicer.cli import main; main()", "demo"]
+    proc = subprocess.run(
+        [*argv, "--", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 69, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "slicerctl demo: the demo runs from a checkout of gpu-slicer (`make demo` there)"
+    ]
+    assert list(tmp_path.iterdir()) == []  # nothing was started or written

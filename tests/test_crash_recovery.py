@@ -97,7 +97,7 @@ async def _die_inside(stack: Stack, case: Case, pa: int, toggle: bool = False) -
     await reg_b.register("b", pid=pb)
     t = await holder.acquire("a")
     if case.phase == "restore":
-        await holder.release("a", t.turn, park="now")  # a is checkpointed
+        await holder.release(t, park="now")  # a is checkpointed
         assert stack.ledger.state(pa) == "checkpointed"
         stack.ledger.inject(pa, case.hang, hang=True)
         async with trio.open_nursery() as n:
@@ -109,7 +109,7 @@ async def _die_inside(stack: Stack, case: Case, pa: int, toggle: bool = False) -
             await stack.stop(signal.SIGKILL)
     else:
         stack.ledger.inject(pa, case.hang, hang=True)
-        await holder.release("a", t.turn)  # lazy: a stays resident, idle
+        await holder.release(t)  # lazy: a stays resident, idle
         async with trio.open_nursery() as n:
             n.start_soon(_acquire_until_the_daemon_dies, other, "b")  # a must park first
             tool = await tool_running(pa, "--toggle" if toggle else case.hang)
@@ -172,14 +172,14 @@ async def test_sigkill_inside_a_park_or_restore_is_recovered(
                 assert workload(st, "a")["state"] == "parked", st  # type: ignore[index]
                 assert stack.ledger.state(pa) == "checkpointed"
                 assert on_device(stack, pa) == 0
-                await cb.release("b", tb.turn)
+                await cb.release(tb)
                 ta = await ca.acquire("a")
                 assert stack.ledger.state(pa) == "running"
                 assert on_device(stack, pa) == 20 * GiB  # its next turn has its memory back
                 st = await stack.status()
                 assert st["totals"]["faults"] == 0, st
                 assert workload(st, "a")["faults"] == 0  # type: ignore[index]
-                await ca.release("a", ta.turn)
+                await ca.release(ta)
             assert stack.overlaps() == 0
 
 

@@ -14,6 +14,9 @@ import pytest
 
 from stubs.cuda_checkpoint_stub import main
 from stubs.fakegpu import Ledger, ProcMem
+from stubs.proc import child_env
+
+pytestmark = pytest.mark.integration  # the tool and its target processes are children
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "stubs" / "cuda-checkpoint"
@@ -94,6 +97,28 @@ def still_running(proc: subprocess.Popen[str], seconds: float) -> bool:
 def test_script_is_executable_with_shebang() -> None:
     assert os.access(TOOL, os.X_OK)
     assert TOOL.read_text().startswith("#!/usr/bin/env python3\n")
+
+
+def test_runs_on_the_python3_the_harness_puts_first_on_path() -> None:
+    # Executed by its shebang, as slicerd runs it: `env python3` must find this interpreter.
+    res = subprocess.run([str(TOOL), "--help"], env=child_env(), capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert b"--get-state" in res.stdout
+
+
+def test_an_interpreter_without_the_project_gets_one_line_and_exit_1() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run(  # -S: no site-packages, so neither psutil nor the project
+        [sys.executable, "-S", str(TOOL), "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 1
+    assert res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and "installed" in lines[0], res.stderr
 
 
 def test_help_lists_action_and_get_state(ledger: Ledger) -> None:

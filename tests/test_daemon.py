@@ -15,7 +15,7 @@ import trio
 from gpu_slicer.slicer.config import Config, load
 from gpu_slicer.slicer.errors import ConfigError
 from stubs.fakegpu import Ledger
-from tests.harness import ROOT, TOOL
+from stubs.proc import TOOL, child_env
 
 pytestmark = pytest.mark.integration
 
@@ -30,10 +30,7 @@ def _env(tmp_path: Path, notify: str) -> dict[str, str]:
     gpu = tmp_path / "gpu"
     gpu.mkdir(exist_ok=True)
     Ledger.init(gpu, 1, 80 << 30)
-    env = {**os.environ, "FAKEGPU_DIR": str(gpu), "PYTHONPATH": str(ROOT)}
-    env["NOTIFY_SOCKET"] = notify
-    env.pop("SLICER_SOCKET", None)
-    return env
+    return child_env({"FAKEGPU_DIR": str(gpu), "NOTIFY_SOCKET": notify})
 
 
 def _args(tmp_path: Path, sock: str) -> list[str]:
@@ -160,7 +157,7 @@ async def test_nvml_without_a_driver_is_a_clear_error(tmp_path: Path) -> None:
         ],
         check=False,
         capture_stderr=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=child_env(),
     )
     assert res.returncode == 1
     assert b"NVML is not available" in res.stderr
@@ -209,7 +206,7 @@ async def test_bad_config_stops_the_daemon_before_it_listens(tmp_path: Path) -> 
         [sys.executable, "-m", "gpu_slicer.slicer.daemon", "--config", str(conf)],
         check=False,
         capture_stderr=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=child_env(),
     )
     assert res.returncode != 0
     assert b"park_timeout must be in" in res.stderr

@@ -1,5 +1,5 @@
-"""`make demo` end to end (real slicerd, launcher, vLLM stub, dispatcher, trainer stubs on
-the fake GPU, short runs), and the PNG encoder and font the chart is drawn with."""
+"""`make demo` end to end (`python -m demo`: real slicerd, launcher, vLLM stub, dispatcher,
+trainer stubs on the fake GPU, short runs), and the timeline chart (matplotlib)."""
 
 from __future__ import annotations
 
@@ -15,18 +15,19 @@ from typing import Any
 
 import pytest
 
-from gpu_slicer.slicer.demo_font import GLYPH_H, GLYPH_W, glyph, text_width
-from gpu_slicer.slicer.demo_png import BACKGROUND, Canvas, encode_png
-
 ROOT = Path(__file__).resolve().parent.parent
-RUN = "import sys; from gpu_slicer.slicer.demo import main; sys.exit(main(sys.argv[1:]))"
+RUN = ["-m", "demo"]  # as `make demo` runs it, from the checkout's root
+# The chart's colours (matplotlib's tab10: demo/chart.py), and its empty track's grey.
+TRAINER, SAMPLER = (31, 119, 180), (255, 127, 14)
+PARKING, RESTORING = (214, 39, 40), (44, 160, 44)
+TRACK = (240, 240, 240)
 
 
 def run_demo(*args: str, timeout: float = 45) -> tuple[int, dict[str, Any], str, float]:
     """Run the demo in a subprocess (bounded); its exit code, JSON report, stderr, seconds."""
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-c", RUN, *args],
+        [sys.executable, *RUN, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -75,7 +76,7 @@ def test_demo_shows_clean_turns() -> None:
 @pytest.mark.integration
 def test_demo_refuses_one_trainer() -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", RUN, "--mode", "trainers", "--trainers", "1"],
+        [sys.executable, *RUN, "--mode", "trainers", "--trainers", "1"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -87,7 +88,8 @@ def test_demo_refuses_one_trainer() -> None:
 
 def read_png(path: Path) -> tuple[int, int, bytes]:
     """Width, height and the decompressed IDAT of a PNG; asserts its structure (signature,
-    IHDR first: 8-bit RGB, no interlace; every CRC; IEND last)."""
+    IHDR first: 8-bit RGB or RGBA, no interlace; every CRC; IEND last; one valid filter
+    byte before each row)."""
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, chunks = 8, []
@@ -101,9 +103,21 @@ def read_png(path: Path) -> tuple[int, int, bytes]:
     assert pos == len(data)
     assert chunks[0][0] == b"IHDR" and chunks[-1] == (b"IEND", b"")
     width, height, depth, color, comp, filt, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, color, comp, filt, interlace) == (8, 2, 0, 0, 0)
+    assert (depth, comp, filt, interlace) == (8, 0, 0, 0) and color in (2, 6)
     raw = zlib.decompress(b"".join(body for tag, body in chunks if tag == b"IDAT"))
+    stride = 1 + (3 if color == 2 else 4) * width
+    assert len(raw) == height * stride
+    assert all(raw[y * stride] <= 4 for y in range(height))  # a PNG row filter type
     return width, height, raw
+
+
+def colours(path: Path) -> set[tuple[int, int, int]]:
+    """The RGB colours of a PNG's pixels (decoded by Pillow, matplotlib's own PNG writer)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        found = im.convert("RGB").getcolors(maxcolors=1 << 24) or []
+    return {(c[0], c[1], c[2]) for _, c in found if isinstance(c, tuple)}
 
 
 @pytest.mark.integration
@@ -136,21 +150,21 @@ def test_loop_demo_serves_every_request_with_its_revision(tmp_path: Path) -> Non
     assert 0 < r["busy_fraction"] < 1
     # The PNG is there, valid, of the size the report declares.
     assert r["png"]["path"] == str(png)
-    width, height, raw = read_png(png)
+    width, height, _ = read_png(png)
     assert (width, height) == (r["png"]["width"], r["png"]["height"])
-    assert len(raw) == height * (1 + 3 * width)
-    assert all(raw[y * (1 + 3 * width)] == 0 for y in range(height))  # filter 0
+    # It shows both workloads' turns, parking and restoring in their legend's colours.
+    assert {TRAINER, SAMPLER, PARKING, RESTORING} <= colours(png)
 
 
 @pytest.mark.integration
 def test_real_mode_says_what_is_missing_and_starts_nothing(tmp_path: Path) -> None:
     pytest.importorskip("pynvml")
-    from gpu_slicer.slicer.demo_real import missing
+    from demo.real import missing
 
     lacking = missing(None)
     assert any(line.startswith("--model") for line in lacking)
     proc = subprocess.run(
-        [sys.executable, "-c", RUN, "--real", "--keep", str(tmp_path / "run")],
+        [sys.executable, *RUN, "--real", "--keep", str(tmp_path / "run")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -163,50 +177,72 @@ def test_real_mode_says_what_is_missing_and_starts_nothing(tmp_path: Path) -> No
     assert not (tmp_path / "run").exists()  # not even its directory
 
 
-def test_png_encoder_round_trips_pixels(tmp_path: Path) -> None:
-    c = Canvas(7, 3)
-    c.rect(1, 1, 2, 1, (10, 20, 30))
-    c.rect(5, 0, 9, 9, (200, 0, 1))  # clipped at the edges
-    path = tmp_path / "x.png"
-    path.write_bytes(c.png())
-    width, height, raw = read_png(path)
-    assert (width, height) == (7, 3) and len(raw) == 3 * (1 + 7 * 3)
-    rows = [raw[y * 22 + 1 : (y + 1) * 22] for y in range(3)]
-    px = [[tuple(row[x * 3 : x * 3 + 3]) for x in range(7)] for row in rows]
-    assert px[1][1] == px[1][2] == (10, 20, 30)
-    assert px[0][0] == px[2][0] == BACKGROUND
-    assert all(px[y][x] == (200, 0, 1) for y in range(3) for x in (5, 6))
-    with pytest.raises(ValueError):
-        encode_png(2, 2, b"\x00" * 11)
+def test_chart_draws_each_span_where_the_report_says(tmp_path: Path) -> None:
+    import numpy as np
+
+    from demo.chart import chart, write_chart
+
+    rows = [
+        ("trainer", [(0.0, 2.0, "held"), (2.0, 3.0, "parking"), (7.0, 8.0, "restoring")]),
+        ("sampler", [(3.5, 6.5, "held"), (3.5, 4.0, "restoring"), (6.0, 6.5, "parking")]),
+    ]
+    fig = chart("gpu-slicer demo: overlaps 0", rows, 10.0)
+    (ax,) = fig.axes
+    assert fig.get_suptitle() == "gpu-slicer demo: overlaps 0"
+    assert ax.get_xlabel() == "seconds since the first grant" and ax.get_ylabel() == "workload"
+    assert ax.get_xlim() == (0.0, 10.0)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["trainer", "sampler"]
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "trainer holds the GPU",
+        "sampler holds the GPU",
+        "parking",
+        "restoring",
+    ]
+    fig.canvas.draw()
+    rgba = np.asarray(fig.canvas.buffer_rgba())  # type: ignore[attr-defined]
+
+    def at(t: float, row: int) -> tuple[int, int, int]:
+        x, y = ax.transData.transform((t, row))  # display pixels, origin bottom left
+        r, g, b, _ = rgba[rgba.shape[0] - 1 - round(y), round(x)]
+        return int(r), int(g), int(b)
+
+    assert at(1.0, 0) == TRAINER and at(2.5, 0) == PARKING and at(7.5, 0) == RESTORING
+    assert at(5.0, 1) == SAMPLER and at(3.7, 1) == RESTORING and at(6.2, 1) == PARKING
+    assert at(5.0, 0) == at(1.0, 1) == TRACK  # nobody's: the empty track
+    path = tmp_path / "out" / "timeline.png"
+    width, height = write_chart(path, "t", rows, 10.0)
+    assert read_png(path)[:2] == (width, height) and width >= 800
+    assert [p.name for p in path.parent.iterdir()] == ["timeline.png"]  # no temporary left
+    assert {TRAINER, SAMPLER, PARKING, RESTORING} <= colours(path)
 
 
-def test_font_labels_draw_where_their_glyphs_say() -> None:
-    scale = 2
-    c = Canvas(80, 20)
-    end = c.text(3, 2, "L1", (0, 0, 0), scale=scale)
-    assert end == 3 + text_width("L1", scale) == 3 + (2 * 6 - 1) * scale
+def test_without_matplotlib_the_report_says_the_chart_needs_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from demo.loop_report import write_png
 
-    def ink(x: int, y: int) -> bool:
-        return c.pixel(x, y) != BACKGROUND
-
-    # 'L': the left column is set on all seven rows, the bottom row across, nothing else.
-    for row in range(GLYPH_H):
-        for col in range(GLYPH_W):
-            want = col == 0 or row == GLYPH_H - 1
-            for dy in range(scale):
-                for dx in range(scale):
-                    assert ink(3 + col * scale + dx, 2 + row * scale + dy) == want, (row, col)
-    # '1' starts one glyph plus one spacing column later; its stem is the middle column.
-    x1 = 3 + (GLYPH_W + 1) * scale
-    assert not any(ink(x1 - scale + dx, y) for dx in range(scale) for y in range(20))
-    assert all(ink(x1 + 2 * scale, 2 + row * scale) for row in range(GLYPH_H))
-    assert not any(ink(x, y) for x in range(80) for y in (0, 1, 2 + GLYPH_H * scale))
-    assert glyph("a") == glyph("A") and glyph("s") != glyph("S")
-    assert glyph("~") == glyph("?")  # what the font lacks
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # import of it fails
+    r: dict[str, Any] = {
+        "turns": [{"workload": "trainer", "start": 0.0, "end": 1.0}],
+        "parks": [],
+        "restores": [],
+        "vllm": {"wake": [], "load": [], "sleep": []},
+        "window_s": 2.0,
+        "overlaps": 0,
+        "busy_fraction": 0.5,
+        "requests": {"served": 1, "expected": 1},
+        "png": None,
+    }
+    write_png(r, tmp_path / "timeline.png")
+    assert r["png"] is None and not (tmp_path / "timeline.png").exists()
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "`charts` extra" in err, err
 
 
 def test_client_counts_only_results_of_exactly_their_revision() -> None:
-    from gpu_slicer.slicer.demo_client import ClientReport, Outcome, check
+    from demo.client import ClientReport, Outcome, check
 
     def done(revision: str, *choices: list[str]) -> dict[str, Any]:
         wv = [{"weight_versions": [{"version": v} for v in c]} for c in choices]

@@ -267,6 +267,7 @@ def tiny_fs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.integration  # mount(8) and umount(8)
 def test_full_disk_is_store_full_and_nothing_half_written(tiny_fs: Path) -> None:
     accepted: list[str] = []
     with Store(tiny_fs, "pool-a") as s:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,11 +20,14 @@ import pytest
 import trio
 
 from gpu_slicer.dispatcher.errors import ReplicaError
-from gpu_slicer.dispatcher.serve import NO_WEIGHT_VERSIONS_ERROR, TurnConfig, TurnState
+from gpu_slicer.dispatcher.model import Phase, TurnConfig, TurnState
+from gpu_slicer.dispatcher.serve import NO_WEIGHT_VERSIONS_ERROR
 from gpu_slicer.dispatcher.store import Store
 from gpu_slicer.dispatcher.turns import TurnLoop
 from gpu_slicer.dispatcher.vllm import Replica
 from gpu_slicer.slicer.client import Turn
+from stubs.fakegpu import Ledger
+from stubs.proc import free_port
 
 
 def _err(status: int, message: str) -> httpx.Response:
@@ -279,8 +281,8 @@ async def test_load_is_bounded_as_a_whole(autojump_clock: Any) -> None:
 
 @asynccontextmanager
 async def _loop(tmp_path: Path, fake: FakeVllm, weight_check: str) -> AsyncIterator[TurnLoop]:
-    """A turn loop (never run: tests drive its serving half) over ``fake``, holding a
-    turn, with revision r1 published."""
+    """A turn loop (never run: tests drive its Serving) over ``fake``, holding a turn
+    (woken), with revision r1 published."""
     store = Store(tmp_path / "state", "pool-a")
     try:
         async with Replica("http://vllm", transport=httpx.MockTransport(fake)) as r:
@@ -291,6 +293,8 @@ async def _loop(tmp_path: Path, fake: FakeVllm, weight_check: str) -> AsyncItera
             (ckpt / "revision.txt").write_text("r1")
             loop.publish("r1", str(ckpt))
             loop._current = TurnState(Turn("v", 1, False, 0))
+            loop._enter(Phase.ACQUIRING)
+            loop._enter(Phase.WAKING)
             yield loop
     finally:
         store.close()
@@ -313,7 +317,7 @@ async def test_label_mode_commits_without_weight_versions(tmp_path: Path, fake: 
                for _ in range(3)]  # fmt: skip
         with trio.fail_after(10):
             assert loop._current is not None
-            assert await loop._serve(loop._current) == "idle"
+            assert await loop.serving.serve(loop._current) == "idle"
         for id in ids:
             assert _choices(loop, id) == [{"index": 0, "text": "ab", "finish_reason": "length"}]
         assert loop.counters.commits == 3 and not loop.counters.rejects
@@ -336,7 +340,7 @@ async def test_label_mode_refuses_another_label(
         assert cur is not None
         cur.waiting_seen_at = trio.current_time()  # the turn ends after turn_seconds
         with trio.fail_after(60):
-            assert await loop._serve(cur) == "waiting"
+            assert await loop.serving.serve(cur) == "waiting"
         assert loop.store.is_pending(p.id) and loop.counters.commits == 0
         assert loop.counters.rejects["weight_label"] >= 2
         assert set(loop.counters.rejects) == {"weight_label"}
@@ -344,7 +348,7 @@ async def test_label_mode_refuses_another_label(
         fake.on_complete = None
         fake.version = "r1"
         with trio.fail_after(10):
-            await loop._send(p, trio.CancelScope(), loop.replica.epoch)
+            await loop.serving._send(loop._current, p, trio.CancelScope(), loop.replica.epoch)
         assert _choices(loop, p.id)[0]["text"] == "ab"
         assert "weight_versions" not in _choices(loop, p.id)[0]  # never fabricated
 
@@ -356,7 +360,7 @@ async def test_label_mode_epoch_and_abort_still_refuse(tmp_path: Path, fake: Fak
         p = loop.accept("completion", {"prompt": [1], "max_tokens": 2})
         fake.on_complete = lambda: setattr(loop.replica, "epoch", loop.replica.epoch + 1)
         with trio.fail_after(10):
-            await loop._send(p, trio.CancelScope(), loop.replica.epoch)
+            await loop.serving._send(loop._current, p, trio.CancelScope(), loop.replica.epoch)
         assert loop.store.is_pending(p.id) and loop.counters.rejects == {"epoch": 1}
 
 
@@ -371,14 +375,14 @@ async def test_label_mode_failed_weight_info_is_a_failed_send(
         p = loop.accept("completion", {"prompt": [1], "max_tokens": 2})
         fake.on_complete = lambda: setattr(fake, "weight_info_error", 500)
         with trio.fail_after(10):
-            await loop._send(p, trio.CancelScope(), loop.replica.epoch)
+            await loop.serving._send(loop._current, p, trio.CancelScope(), loop.replica.epoch)
         assert loop.store.is_pending(p.id) and loop.counters.rejects == {"error": 1}
         assert loop._current is not None and loop._current.replica_failed
         assert "/weight_info: HTTP 500" in loop._current.replica_failed
         loop._current.replica_failed = None
         fake.on_complete = lambda: setattr(fake, "weight_info_error", 400)
         with trio.fail_after(10):
-            await loop._send(p, trio.CancelScope(), loop.replica.epoch)
+            await loop.serving._send(loop._current, p, trio.CancelScope(), loop.replica.epoch)
         assert loop.store.is_pending(p.id) and loop.counters.refused_by_replica == 0
         assert loop._current.replica_failed is None  # a 4xx is no dead replica
 
@@ -397,7 +401,7 @@ async def test_spans_mode_against_an_old_vllm_says_so_once(
         assert cur is not None
         cur.waiting_seen_at = trio.current_time()
         with trio.fail_after(60):
-            assert await loop._serve(cur) == "waiting"
+            assert await loop.serving.serve(cur) == "waiting"
         assert all(loop.store.is_pending(id) for id in ids) and loop.counters.commits == 0
         assert set(loop.counters.rejects) == {"no_weight_versions"}
         assert loop.counters.rejects["no_weight_versions"] >= 4  # both, retried
@@ -412,7 +416,7 @@ async def test_spans_mode_with_weight_versions_commits(tmp_path: Path, fake: Fak
         p = loop.accept("completion", {"prompt": [1], "max_tokens": 2})
         with trio.fail_after(10):
             assert loop._current is not None
-            assert await loop._serve(loop._current) == "idle"
+            assert await loop.serving.serve(loop._current) == "idle"
         assert _choices(loop, p.id)[0]["weight_versions"][0]["version"] == "r1"
         assert loop.counters.commits == 1 and not loop.counters.rejects
 
@@ -425,25 +429,15 @@ def test_weight_check_is_validated() -> None:
 # -- against the real stub ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def vllm_stub(tmp_path: Path) -> Iterator[str]:
-    if not (Path(__file__).parent.parent / "stubs" / "vllm_stub" / "__main__.py").exists():
-        pytest.skip("stubs/vllm_stub is not there")
-    try:
-        from stubs.fakegpu import Ledger
-    except ImportError as exc:  # pragma: no cover - depends on the stub's presence
-        pytest.skip(f"no fake GPU ledger: {exc}")
+    # The stub is this repository's own: a stub that dies or hangs at boot fails the test.
     gpu_dir = tmp_path / "gpu"
     Ledger.init(gpu_dir, 1, 80 << 30)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "FAKEGPU_DIR": str(gpu_dir), "VLLM_SERVER_DEV_MODE": "1"}
-    log = (tmp_path / "stub.log").open("wb")
+    log_path = tmp_path / "stub.log"
+    log = log_path.open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "stubs.vllm_stub", "serve", "m", "--port", str(port),
          "--enable-sleep-mode"],
@@ -454,14 +448,16 @@ def vllm_stub(tmp_path: Path) -> Iterator[str]:
         deadline = time.monotonic() + 30
         while True:
             if proc.poll() is not None:
-                pytest.skip(f"the vLLM stub exited {proc.returncode} at boot")
+                pytest.fail(
+                    f"the vLLM stub exited {proc.returncode} at boot:\n{log_path.read_text()}"
+                )
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.skip("the vLLM stub did not become healthy within 30 s")
+                pytest.fail(f"the vLLM stub was not healthy within 30 s:\n{log_path.read_text()}")
             time.sleep(0.1)
         yield url
     finally:

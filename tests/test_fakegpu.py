@@ -22,6 +22,8 @@ from stubs.fakegpu import (
     parse_size,
 )
 
+pytestmark = pytest.mark.integration  # child processes stand in for CUDA processes
+
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1024**3
 MiB = 1024**2

@@ -50,7 +50,6 @@ import select
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -71,12 +70,11 @@ from hypothesis.stateful import (
 )
 
 from gpu_slicer import proto
-from stubs.fakegpu import FakeGpuError, Ledger
+from stubs.fakegpu import FakeGpuError
+from stubs.stack import Stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.fuzz, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parent.parent
-TOOL = str(ROOT / "stubs" / "cuda-checkpoint")
 GiB = 1 << 30
 GPUS = 2
 NCONN = 4
@@ -138,89 +136,43 @@ def _pid_alive(p: subprocess.Popen[bytes] | None) -> bool:
 
 
 class Daemon:
-    """One slicerd on a fresh two-GPU fake ledger, shared by every example."""
+    """One slicerd on a fresh two-GPU fake ledger, shared by every example (the stack
+    harness's `Stack`, driven synchronously)."""
 
     def __init__(self) -> None:
         self.base = Path(tempfile.mkdtemp(prefix="slicer-fuzz-"))
         os.chmod(self.base, 0o755)
-        fakegpu = self.base / "gpu"
-        fakegpu.mkdir()
-        venv_bin = str(Path(sys.executable).parent)
-        self.env = {
-            **os.environ,
-            "FAKEGPU_DIR": str(fakegpu),
-            "FAKEGPU_BANDWIDTH": "400GB",
-            "FAKEGPU_CC_LOG": str(self.base / "cc.log"),
-            "PYTHONPATH": str(ROOT),
-            # the stub re-executes itself under the venv's python otherwise: twice as slow
-            "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
-        }
-        self.env.pop("SLICER_SOCKET", None)
-        self.ledger = Ledger.init(fakegpu, GPUS, 64 * GiB)
-        self.socket = str(self.base / "slicer.sock")
+        self.stack = Stack.create(
+            self.base,
+            "--park-timeout",
+            str(PARK_TIMEOUT),
+            "--restore-timeout",
+            str(PARK_TIMEOUT),
+            "--fault-kill-after",
+            "2",
+            gpus=GPUS,
+            capacity=64 * GiB,
+        )
+        self.env = self.stack.env
+        self.ledger = self.stack.ledger
+        self.socket = self.stack.socket
         self.log = self.base / "slicerd.log"
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        notify_path = str(self.base / "notify")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
-            notify.bind(notify_path)
-            notify.settimeout(1.0)
-            args = [
-                sys.executable,
-                "-m",
-                "gpu_slicer.slicer.daemon",
-                "--socket",
-                self.socket,
-                "--gpu-backend",
-                "fake",
-                "--cuda-checkpoint",
-                TOOL,
-                "--state-dir",
-                str(self.base / "state"),
-                "--park-timeout",
-                str(PARK_TIMEOUT),
-                "--restore-timeout",
-                str(PARK_TIMEOUT),
-                "--fault-kill-after",
-                "2",
-                "--log-level",
-                "debug",
-            ]
-            with open(self.log, "ab") as logf:
-                self.proc = subprocess.Popen(
-                    args, env={**self.env, "NOTIFY_SOCKET": notify_path}, stdout=logf, stderr=logf
-                )
-            deadline = time.monotonic() + 60
-            try:
-                while True:
-                    if time.monotonic() > deadline or self.proc.poll() is not None:
-                        raise RuntimeError(f"slicerd did not start:\n{self.log_tail()}")
-                    with contextlib.suppress(TimeoutError):
-                        if b"READY=1" in notify.recv(4096):
-                            break
-            except BaseException:
-                self.stop()
-                raise
-            finally:
-                os.unlink(notify_path)
+        self.stack.start_sync()
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.stack.alive()
 
     def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-            self.proc = None
+        if self.stack.proc is not None:
+            self.stack.stop_sync()
 
     def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.base, ignore_errors=True)
+        try:
+            self.stack.close_sync()
+        finally:
+            shutil.rmtree(self.base, ignore_errors=True)
 
     def connect(self) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

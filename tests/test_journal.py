@@ -103,7 +103,7 @@ async def test_a_full_disk_costs_no_turn_and_the_journal_catches_up() -> None:
                     released = trio.Event()
 
                     async def release() -> None:
-                        await c.release("a", t.turn, park="now")
+                        await c.release(t, park="now")
                         released.set()
 
                     async with trio.open_nursery() as n:
@@ -132,7 +132,7 @@ async def test_a_full_disk_costs_no_turn_and_the_journal_catches_up() -> None:
                         assert (await ra2.register("a", pid=pa))["state"] == "parked"
                         t = await c2.acquire("a")
                         assert t.restored and stack.ledger.state(pa) == "running"
-                        await c2.release("a", t.turn)
+                        await c2.release(t)
                 await stack.stop()
             assert stack.overlaps() == 0
 

@@ -6,6 +6,7 @@ Every wait is event-driven and bounded: WATCH-driven `stack.until`, process exit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -293,7 +294,7 @@ async def sampler_turn(stack: Stack, url: str) -> None:
         r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
         assert r.status_code == 200
         assert (await http.post("/sleep?level=1")).status_code == 200
-        await c.release("v", t.turn)
+        await c.release(t)
 
 
 async def test_vllm_boots_in_a_turn_then_takes_turns_with_a_trainer() -> None:
@@ -402,7 +403,7 @@ async def test_stale_turn_cannot_end_the_boot_turn_of_a_restarted_launcher() -> 
                 assert boot_turn > old.turn
                 for turn in (old.turn, boot_turn):
                     with pytest.raises(ClientError) as e:
-                        await stale.release("v", turn)
+                        await stale.release(dataclasses.replace(old, turn=turn))
                     assert e.value.code == "not-holder"
                 assert holder_is("v", boot_turn)(await stack.status())
                 await second.text(lambda s: "]: ready" in s)

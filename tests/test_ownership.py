@@ -66,7 +66,7 @@ async def test_a_process_of_a_live_workload_cannot_be_registered_again() -> None
                     # An orphan still owns its processes: only its own name adopts them.
                     async with await stack.client() as holder:
                         t = await holder.acquire("a")
-                        await holder.release("a", t.turn)  # idle: resident
+                        await holder.release(t)  # idle: resident
                 await stack.until(lambda st: st["workloads"][0]["state"] == "parked")
                 await refused(stack, "b", pid=child)
                 async with await stack.client() as again:

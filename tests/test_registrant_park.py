@@ -206,7 +206,7 @@ async def test_a_silent_registrant_is_passed_over_for_cuda_checkpoint() -> None:
             async with await stack.client() as holder:
                 tv = await holder.acquire("v")  # its checkpoint is restored first
                 assert tv.restored and stack.ledger.state(pv) == "running"
-                await holder.release("v", tv.turn)
+                await holder.release(tv)
             await reg_v.aclose()
             assert stack.overlaps() == 0
 

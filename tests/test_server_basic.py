@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 
 import pytest
@@ -118,7 +119,7 @@ async def test_turns_are_exclusive_fifo_and_parked_with_cuda_checkpoint() -> Non
                 # the holder is told someone waits
                 msg = await ca.next_message()
                 assert type(msg).__name__ == "Waiting" and msg.waiters == 1
-                rel = await ca.release("a", t1.turn)
+                rel = await ca.release(t1)
                 assert rel["parked"] == "1"
             # a was checkpointed by the real tool CLI before b got the GPU
             assert stack.ledger.state(a_pid) == "checkpointed"
@@ -136,7 +137,7 @@ async def test_turns_are_exclusive_fifo_and_parked_with_cuda_checkpoint() -> Non
 
                 n.start_soon(take_a)
                 await stack.until(lambda st: st["gpus"][0]["queue"] == ["a"])
-                await cb.release("b", turns["b"].turn)
+                await cb.release(turns["b"])
             assert turns["a2"].restored and turns["a2"].turn == 3
             assert stack.ledger.state(a_pid) == "running"
             st = await stack.status()
@@ -157,17 +158,17 @@ async def test_stale_release_is_refused_and_changes_nothing() -> None:
                 t = await reg.acquire("w")
                 before = await stack.status()
                 with pytest.raises(ClientError) as e:
-                    await other.release("w", t.turn)
+                    await other.release(t)
                 assert e.value.code == "not-holder"
                 with pytest.raises(ClientError) as e:
-                    await reg.release("w", t.turn + 1)
+                    await reg.release(dataclasses.replace(t, turn=t.turn + 1))
                 assert e.value.code == "not-holder"
                 after = await stack.status()
                 assert after["gpus"] == before["gpus"]
                 assert workload(after, "w")["state"] == "active"  # type: ignore[index]
-                await reg.release("w", t.turn)
+                await reg.release(t)
                 with pytest.raises(ClientError) as e:
-                    await reg.release("w", t.turn)  # an old turn id
+                    await reg.release(t)  # an old turn id
                 assert e.value.code == "not-holder"
             assert stack.overlaps() == 0
 
@@ -257,7 +258,7 @@ async def test_limits_answer_err_limit_and_change_nothing() -> None:
                 await e5.ping()
                 replies = await raw_exchange(stack.socket, [b"PING\n"])
                 assert replies[0].startswith(b"ERR limit")
-                await a.release("one", t.turn)
+                await a.release(t)
             st = await c.status()
             assert [w["name"] for w in st["workloads"]] == ["one"]
             assert stack.overlaps() == 0

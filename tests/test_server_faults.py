@@ -84,7 +84,7 @@ async def test_failed_park_faults_keeps_gpu_and_kills_after_deadline() -> None:
                 n.start_soon(wait_b)
                 await stack.until(queue_is(["b"]))
                 with pytest.raises(ClientError) as e:
-                    await holder.release("a", t.turn)
+                    await holder.release(t)
                 assert e.value.code == "park-failed"
                 fault = await next_fault(reg_a)
                 assert (fault.workload, fault.turn, fault.reason) == ("a", t.turn, "lock-failed")
@@ -121,7 +121,7 @@ async def test_hung_park_faults_at_timeout_without_killing_the_tool() -> None:
                 n.start_soon(waiter.acquire, "b")
                 await stack.until(queue_is(["b"]))
                 with pytest.raises(ClientError) as e:
-                    await reg_a.release("a", t.turn)
+                    await reg_a.release(t)
                 assert e.value.code == "park-failed"
                 fault = await next_fault(reg_a)
                 assert fault.reason == "checkpoint-timeout"
@@ -161,7 +161,7 @@ async def test_restart_after_sigkill_loses_no_workload() -> None:
             async with trio.open_nursery() as n:
                 n.start_soon(reg_b.acquire, "b")
                 await stack.until(queue_is(["b"]))
-                await reg_a.release("a", ta.turn)
+                await reg_a.release(ta)
             stack.ledger.alloc(pb, 0, 30 * GiB, workload="b")
             assert stack.ledger.state(pa) == "checkpointed"
             await stack.stop(signal.SIGKILL)
@@ -183,7 +183,7 @@ async def test_restart_after_sigkill_loses_no_workload() -> None:
             tb = await reg_b.acquire("b")
             assert tb.restored
             assert stack.ledger.state(pb) == "running"
-            await reg_b.release("b", tb.turn)
+            await reg_b.release(tb)
             ta = await reg_a.acquire("a")
             assert ta.restored and ta.turn > tb.turn
             await reg_a.aclose()
@@ -227,7 +227,7 @@ async def test_a_park_on_gpu0_never_delays_gpu1_or_status() -> None:
             async with trio.open_nursery() as n:
                 n.start_soon(cb.acquire, "b")
                 await stack.until(queue_is(["b"]))
-                n.start_soon(ca.release, "a", t.turn)
+                n.start_soon(ca.release, t)
                 await stack.until(state_of("a", "parking"))
                 with trio.fail_after(3):  # while GPU 0's park hangs
                     tc = await cc.acquire("c")
@@ -304,7 +304,7 @@ async def test_a_client_that_stops_reading_is_dropped() -> None:
                 await c.register("w", pid=stack.sleeper())
                 for _ in range(3000):
                     t = await c.acquire("w")
-                    await c.release("w", t.turn)
+                    await c.release(t)
                     if (await c.status())["connections"] == 1:
                         break
                 st = await c.status()
@@ -323,7 +323,7 @@ async def test_toggle_only_driver_parks_and_restores_with_toggle() -> None:
                 await c.register("a", pid=pa)
                 await c.register("b", pid=stack.sleeper())
                 t = await c.acquire("a")
-                await c.release("a", t.turn, park="now")
+                await c.release(t, park="now")
                 assert stack.ledger.state(pa) == "checkpointed"
                 t = await c.acquire("a")
                 assert t.restored and stack.ledger.state(pa) == "running"
@@ -349,7 +349,7 @@ async def test_a_workload_exiting_during_its_park_is_not_a_fault() -> None:
 
                 n.start_soon(wait_b)
                 await stack.until(queue_is(["b"]))
-                n.start_soon(reg_a.release, "a", t.turn)
+                n.start_soon(reg_a.release, t)
                 await stack.until(state_of("a", "parking"))
                 # ... while the workload's process exits: the driver frees its memory
                 next(p for p in stack.children if p.pid == pa).kill()

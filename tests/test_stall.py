@@ -59,7 +59,7 @@ async def test_a_long_chain_of_pipelined_turns_across_connections_completes() ->
                             if k < pairs - 1:
                                 lines.append("ACQUIRE w\n")
                         await s.send_all("".join(lines).encode())
-                    await blocker.release("b", t.turn)
+                    await blocker.release(t)
                     for i, s in enumerate(streams):
                         got = await read_lines(s, 2 * pairs)
                         turns = [proto.parse_server_line(x) for x in got[0::2]]
@@ -87,7 +87,7 @@ async def test_a_status_flood_never_starves_another_connection() -> None:
                     for _ in range(20):
                         await other.ping()  # answered between the flood's lines
                     t = await other.acquire("w")
-                    await other.release("w", t.turn)
+                    await other.release(t)
                 await flood.aclose()
                 st = await stack.status()
                 assert st["totals"]["grants"] == 1
@@ -228,7 +228,7 @@ async def test_a_pipeline_resumed_while_its_connection_lingers_never_wedges_the_
                     t = await other.acquire("b")  # the GPU is not wedged
                     st = await stack.status()
                     assert st["gpus"][0]["holder"] == {"workload": "b", "turn": t.turn}
-                    await other.release("b", t.turn)
+                    await other.release(t)
                 await x.aclose()
             assert stack.overlaps() == 0
 
@@ -276,6 +276,6 @@ async def test_one_event_answering_many_pipelines_serves_them_all() -> None:
                     assert all(x.startswith(b"OK {") for x in got[1:])
                     await s.aclose()
                 with pytest.raises(ClientError) as e:
-                    await holder.release("w", t.turn)  # the turn ended with w
+                    await holder.release(t)  # the turn ended with w
                 assert e.value.code == "not-holder"
             assert stack.overlaps() == 0

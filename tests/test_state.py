@@ -1,8 +1,9 @@
 """Table-driven tests of the pure turn state machine (slicer.state.SlicerState).
 
-A small `Driver` plays the server: it performs effects the way `slicer.server` does
-(`Verify` is answered in place with configurable blockers; `Park`/`Restore` are kept so a
-test completes them, in order, successfully or not, or all at once with `auto=True`).
+A small `Driver` plays the server: it performs effects the way `slicer.server` does and
+hands back what a server would have measured (`Verify` is answered in place with a
+configurable census and free memory; `Park`/`Restore` are kept so a test completes them,
+in order, successfully or not, or all at once with `auto=True`).
 Effects are summarised as short tuples so the scenario tables read like a wire trace.
 """
 
@@ -35,6 +36,14 @@ from gpu_slicer.slicer.effects import (
     Verify,
 )
 from gpu_slicer.slicer.model import TRANSITIONS, Workload, WState
+from gpu_slicer.slicer.readings import (
+    Census,
+    Outcome,
+    ParkReport,
+    RecoverReport,
+    RecoveryReading,
+    RestoreReport,
+)
 from gpu_slicer.slicer.state import Limits, ProcessInfo, SlicerState
 
 GPUS = [(0, "GPU-aaaa-0000"), (1, "GPU-bbbb-1111")]
@@ -92,7 +101,8 @@ class Driver:
     sm: SlicerState
     auto: bool = False
     now: float = 10.0
-    blockers: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    seen: dict[int, Census] = field(default_factory=dict)  # what each GPU's census shows
+    free: dict[int, int] = field(default_factory=dict)  # free bytes per GPU (default: plenty)
     parks: deque[Park] = field(default_factory=deque)
     restores: deque[Restore] = field(default_factory=deque)
     recovers: deque[Recover] = field(default_factory=deque)
@@ -121,9 +131,9 @@ class Driver:
             done.append(e)
             match e:
                 case Verify():
-                    work.extend(
-                        self.sm.verified(e.op, list(self.blockers.get(e.gpu, [])), self.now)
-                    )
+                    seen = self.seen.get(e.gpu, Census())
+                    free = self.free.get(e.gpu, 1 << 40) if e.need else None
+                    work.extend(self.sm.verified(e.op, seen, self.now, free))
                 case Park():
                     self.parks.append(e)
                 case Restore():
@@ -144,14 +154,26 @@ class Driver:
         return [s for s in map(summary, self.apply(call(self.now))) if s is not None]
 
     def _park_done(self, e: Park, ok: bool, reason: str, text: str) -> list[Effect]:
+        return self.sm.park_done(e.op, self.park_report(e, ok, reason, text), self.now)
+
+    def park_report(self, e: Park, ok: bool, reason: str = "", text: str = "") -> ParkReport:
+        """What the server would measure: a checkpoint park runs the tool on the
+        workload's process (MOVED bytes leave); a cooperative one only reads the backend.
+        A failure is the tool's `reason`, or memory left on the device (still-resident)."""
         w = self.sm.by_wid(e.wid)
-        # A checkpoint park moves the processes; a cooperative one moves nothing itself.
-        procs = ((w.pid, int(w.start_time)),) if w is not None and e.mode == "checkpoint" else ()
-        moved = MOVED if ok else 0
-        return self.sm.park_done(e.op, ok, PARK_MS, moved, procs, reason, text, self.now)
+        assert w is not None
+        stays = e.parked_max + 1
+        if e.mode == "cooperative":
+            return ParkReport(PARK_MS, after=0 if ok else stays)
+        procs = ((w.pid, int(w.start_time)),)
+        if ok or reason == "still-resident":
+            after = 0 if ok else stays
+            return ParkReport(PARK_MS, MOVED, procs, Outcome(True), (True,), after)
+        return ParkReport(PARK_MS, MOVED, procs, Outcome(False, reason, text), (True,), MOVED)
 
     def _restore_done(self, e: Restore, ok: bool, reason: str, text: str) -> list[Effect]:
-        return self.sm.restore_done(e.op, ok, RESTORE_MS, reason, text, self.now)
+        report = RestoreReport(RESTORE_MS, e.procs, Outcome(ok, reason, text))
+        return self.sm.restore_done(e.op, report, self.now)
 
     # ---- the client side -----------------------------------------------------------------
 
@@ -225,9 +247,19 @@ class Driver:
         return self.run(lambda now: self._restore_done(e, ok, reason, text))
 
     def recover_done(self, result: str = "parked", reason: str = "") -> list[tuple[Any, ...]]:
+        """Finish the oldest Recover with the driver's state that leads to `result`:
+        checkpointed (parked), running (resident), no process left (gone) or failed
+        (fault, reason recover-failed)."""
         e = self.recovers.popleft()
-        procs = e.procs if result == "parked" else ()
-        return self.run(lambda now: self.sm.recover_done(e.op, result, procs, reason, "", now))
+        assert result != "fault" or reason in ("", "recover-failed")
+        state = {"parked": "checkpointed", "resident": "running", "fault": "failed"}
+        if result == "gone":
+            reading = RecoveryReading()
+        else:
+            states = {pid: state[result] for pid, _ in e.procs}
+            reading = RecoveryReading(e.procs, True, (), states)
+        report = RecoverReport(reading, Outcome(True), 0)
+        return self.run(lambda now: self.sm.recover_done(e.op, report, now))
 
     def memory_report(self, name: str, alive: bool, nbytes: int) -> list[tuple[Any, ...]]:
         wid = self.wid(name)
@@ -660,7 +692,8 @@ def perform(d: Driver, action: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         case "state":
             return [("state", args[0], d.state(args[0]))]
         case "block":
-            d.blockers[args[0]] = list(args[1])
+            # Processes no workload owns appear on (or leave) the GPU.
+            d.seen[args[0]] = Census(foreign={b["pid"]: b["bytes"] for b in args[1]})
             return []
     raise AssertionError(verb)
 
@@ -894,7 +927,7 @@ def test_restore_verifies_room_for_parked_bytes(d: Driver) -> None:
     d.acquire(D1, "a")
     d.release(D1, "a", park_now=True)
     d.park_done()
-    d.blockers[0] = [{"reason": "no-room", "need": MOVED, "free": 0}]
+    d.free[0] = 0
     assert d.acquire(D1, "a") == [("recheck", 0)]
     verify = [e for e in d.effects if isinstance(e, Verify)][-1]
     assert verify.need == MOVED
@@ -903,14 +936,14 @@ def test_restore_verifies_room_for_parked_bytes(d: Driver) -> None:
 
 
 def test_blockers_show_in_status_until_clean(d: Driver) -> None:
-    d.blockers[0] = FOREIGN
+    d.seen[0] = Census(foreign={4242: GIB})
     d.acquire(D1, "a")
     gpu = d.gpu(0)
     assert gpu["foreign"] == FOREIGN
     assert gpu["holder"] is None
     assert gpu["queue"] == ["a"]
     assert d.state("a") == "registered"
-    d.blockers[0] = []
+    d.seen[0] = Census()
     d.recheck(0)
     assert d.gpu(0)["foreign"] == []
     assert d.gpu(0)["holder"] == {"workload": "a", "turn": 1}

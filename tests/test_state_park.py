@@ -289,7 +289,7 @@ def test_a_held_orphan_asks_to_be_looked_at_again_when_its_grace_ends() -> None:
     d = restarted("parking", op_procs=PROC, op_bytes=MOVED, park="cooperative", parked_max=GIB)
     d.sm.limits = type(d.sm.limits)(adopt_grace=60.0)
     d.now += 10
-    out = d.run(lambda now: d.sm.recover_done(d.recovers.popleft().op, "resident", (), "", "", now))
+    out = d.recover_done("resident")
     assert out[:1] == [("recheck", 0)]
     d.now += 30
     rechecks = [e for e in d.apply(d.sm.recheck(0, d.now)) if type(e).__name__ == "Recheck"]

@@ -59,12 +59,14 @@ def run_verify(*args: str, units_dir: Path | None = None) -> subprocess.Complete
     )
 
 
+@pytest.mark.integration
 @needs_systemd
 def test_every_unit_and_snippet_verifies_without_a_word() -> None:
     r = run_verify(str(BIN))
     assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r.stdout + r.stderr
 
 
+@pytest.mark.integration
 @needs_systemd
 def test_verify_reports_warnings_and_bad_snippets(tmp_path: Path) -> None:
     broken = tmp_path / "units"
@@ -79,6 +81,7 @@ def test_verify_reports_warnings_and_bad_snippets(tmp_path: Path) -> None:
     assert "no-such-group" in r.stdout
 
 
+@pytest.mark.integration
 def test_verify_refuses_a_missing_binary(tmp_path: Path) -> None:
     r = run_verify(str(tmp_path))  # an empty BIN: nothing is installed there
     if shutil.which("systemd-analyze") is None:

@@ -6,10 +6,10 @@ on a free port with a fresh fake GPU ledger and kills it afterwards.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
-import socket
 import sqlite3
 import sys
 import time
@@ -24,6 +24,9 @@ import pytest
 import trio
 
 from stubs.fakegpu import Ledger, parse_size
+from stubs.proc import free_port
+
+pytestmark = pytest.mark.integration
 
 GiB = 1024**3
 MiB = 1024**2
@@ -32,12 +35,6 @@ WEIGHTS, CONTEXT = 2 * GiB, 512 * MiB
 KV = int(0.9 * 80 * GiB) - WEIGHTS - CONTEXT
 BOOT_TIMEOUT_S = 15.0
 POLL_S = 0.05
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tag_bytes(directory: Path, pid: int) -> dict[str, int]:
@@ -53,9 +50,29 @@ def tag_bytes(directory: Path, pid: int) -> dict[str, int]:
 
 
 async def until(predicate: Callable[[], Any], timeout: float = 5.0) -> None:
+    """Poll ``predicate`` (plain or async) until it holds, failing after ``timeout``."""
     with trio.fail_after(timeout):
-        while not predicate():
+        while True:
+            ok = predicate()
+            if inspect.isawaitable(ok):
+                ok = await ok
+            if ok:
+                return
             await trio.sleep(POLL_S)
+
+
+def ignores(pid: int, signum: int) -> bool:
+    """Whether ``pid`` ignores ``signum`` (the SigIgn mask of /proc/PID/status): the kernel
+    discards such a signal when it is sent, so no waiting shows more than this does."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    raise AssertionError(f"no SigIgn line in /proc/{pid}/status")
+
+
+async def running_requests(stub: Stub, n: int) -> bool:
+    """Whether the stub reports ``n`` requests past its gate (``num_requests_running``)."""
+    return await stub.metric("vllm:num_requests_running") == n
 
 
 def running(proc: psutil.Process) -> bool:
@@ -432,8 +449,11 @@ async def test_request_sent_while_asleep_is_held_until_wake(
                 if level == 1:
                     r = await stub.http.post("/wake_up?tags=weights")
                     assert r.json()["status"] == "sleeping"
-                    await trio.sleep(0.2)
-                    assert not done  # only a full wake resumes scheduling
+                    # only a full wake resumes scheduling: the request is still held
+                    assert (await stub.http.get("/is_sleeping")).json() == {"is_sleeping": True}
+                    assert await stub.metric("vllm:num_requests_running") == 0.0
+                    assert await stub.metric("vllm:generation_tokens_total") == 0.0
+                    assert not done
                     await stub.http.post("/wake_up?tags=kv_cache")
                 else:
                     r = await stub.http.post("/wake_up")
@@ -489,7 +509,9 @@ async def test_sleep_keep_freezes_and_resumes_after_wake(tmp_path: Path, ledger:
             async def on_chunk(n: int) -> None:
                 if n == 2:
                     await stub.http.post("/sleep?level=1&mode=keep")
-                    await trio.sleep(0.3)
+                    # asleep with the stream frozen mid-way: neither aborted nor finished
+                    assert await stub.metric("vllm:engine_sleep_state", "weights_offloaded") == 1
+                    assert await stub.metric("vllm:num_requests_running") == 1.0
                     await stub.http.post("/wake_up")
 
             chunks = await _stream(stub, body, on_chunk)
@@ -510,11 +532,14 @@ async def test_sleep_wait_drains_in_flight_and_refuses_new(tmp_path: Path, ledge
                 r = await stub.http.post("/sleep?level=1&mode=wait")
                 events.append(f"slept:{r.status_code}")
 
+            async def paused() -> bool:
+                return bool((await stub.http.get("/is_paused")).json()["is_paused"])
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(generate)
-                await trio.sleep(0.1)
+                await until(lambda: running_requests(stub, 1))  # "a" is generating
                 nursery.start_soon(sleep)
-                await trio.sleep(0.1)
+                await until(paused)  # the sleep is draining "a"
                 r = await stub.http.post("/v1/completions", json={"prompt": "b"})
                 assert r.status_code == 503
             assert events == ["done:length", "slept:200"]
@@ -800,7 +825,8 @@ async def test_hang_requests_fault(tmp_path: Path, ledger: Ledger) -> None:
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(send)
-                await trio.sleep(0.5)
+                await until(lambda: running_requests(stub, 1))  # past the gate, then hung
+                assert await stub.metric("vllm:generation_tokens_total") == 0.0
                 assert not done
                 await stub.http.post("/_stub/fault", json={"hang_requests": False})
             assert done
@@ -810,11 +836,10 @@ async def test_sigterm_is_ignored_during_boot(tmp_path: Path, ledger: Ledger) ->
     with trio.fail_after(25):
         async with start_stub(tmp_path, "--boot-delay", "1.5", wait=False) as stub:
             await until(lambda: ledger.processes(0), timeout=10)  # the core is booting
+            assert ignores(stub.proc.pid, signal.SIGTERM)  # so this SIGTERM is discarded
             t0 = time.monotonic()
             stub.proc.send_signal(signal.SIGTERM)
-            await trio.sleep(0.3)
-            assert stub.proc.returncode is None
-            await wait_healthy(stub)
+            await wait_healthy(stub)  # which fails the moment the server has exited
             assert time.monotonic() - t0 >= 0.5
             core = psutil.Process(stub.core_pid())
             stub.proc.send_signal(signal.SIGTERM)

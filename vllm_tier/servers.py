@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from stubs.proc import free_port as free_port  # the tier's tests take it from here
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "tiny"
@@ -45,13 +46,6 @@ def models_dir() -> Path:
     if not d or not (Path(d) / ".built").exists():
         raise TierSetupError("SLICER_VLLM_MODELS is not set or not built: run `make test-vllm`")
     return Path(d).resolve()
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def real_env(base: dict[str, str], cache: Path, dev: bool = True) -> dict[str, str]:

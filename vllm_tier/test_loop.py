@@ -198,7 +198,7 @@ async def direct_texts(
                 r.raise_for_status()
                 out[rev, prompt] = r.json()["choices"][0]["text"]
         (await http.post("/sleep", params={"level": 1})).raise_for_status()
-        await c.release("v", turn.turn, park="now")
+        await c.release(turn, park="now")
     return out
 
 
@@ -211,7 +211,7 @@ async def swap_weights_behind_the_label(stack: Stack, url: str, models: Path) ->
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(models / "base")}}
         (await http.post("/collective_rpc", json=rpc)).raise_for_status()
         (await http.post("/sleep", params={"level": 1})).raise_for_status()
-        await c.release("v", turn.turn, park="now")
+        await c.release(turn, park="now")
 
 
 def check_order(calls: list[Call], killed_life: int) -> None:

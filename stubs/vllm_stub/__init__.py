@@ -11,7 +11,8 @@
 The contract is ``VLLM_API.md`` (read from the vllm 0.33.0 wheel); bodies, error
 ``type``/``param`` values and edge cases were checked against a real vLLM 0.32.0 server
 (CPU build, ``VLLM_SERVER_DEV_MODE=1``) and the 0.32.0 wheel's route code. Modules:
-``cli`` (flags), ``server`` (boot, signals, hypercorn's trio worker, shutdown),
+``cli`` (flags), ``config``
+(what ``serve`` was told), ``server`` (boot, signals, hypercorn's trio worker, shutdown),
 ``corelink`` / ``core`` (the engine-core child that holds all fake GPU memory under its
 own pid), ``engine`` (sleep/pause/weights state and generation), ``openai``
 (completions and chat bodies), ``errors`` (vLLM's error bodies), ``textgen``

@@ -11,36 +11,14 @@ import argparse
 import os
 import signal
 import sys
-from dataclasses import dataclass
 
 import trio
 
 from stubs.fakegpu import FakeGpuError, Ledger, parse_size
+from stubs.vllm_stub.config import Config
+from stubs.vllm_stub.server import serve
 
-__all__ = ["Config", "build_parser", "main", "parse_args"]
-
-
-@dataclass(frozen=True)
-class Config:
-    """Everything ``serve`` was told."""
-
-    model: str
-    served_model_names: tuple[str, ...]  # the first names the model in responses
-    host: str
-    port: int
-    enable_sleep_mode: bool
-    gpu_memory_utilization: float
-    max_model_len: int
-    weights_bytes: int
-    context_bytes: int
-    tokens_per_s: float
-    boot_delay: float
-    reload_seconds: float
-    workload: str
-    fail_reload: bool
-    hang_requests: bool
-    gpu: int
-    dev_mode: bool
+__all__ = ["build_parser", "main", "parse_args"]
 
 
 def _size(text: str) -> int:
@@ -135,6 +113,4 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # vLLM ignores SIGTERM while its engine starts; server.serve takes it over once up.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from stubs.vllm_stub.server import serve
-
     return trio.run(serve, cfg)

@@ -22,7 +22,7 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from stubs.vllm_stub.app import AccessLog, AppConfig, build_app
-from stubs.vllm_stub.cli import Config
+from stubs.vllm_stub.config import Config
 from stubs.vllm_stub.core import read_identity
 from stubs.vllm_stub.corelink import CoreDead, CoreError, CoreLink
 from stubs.vllm_stub.engine import Engine, log

@@ -5,7 +5,7 @@ Theory of operation
 -------------------
 One scenario = one fresh temporary directory (its path is unique to the run) holding:
 
-- slicerd on a fake GPU (`tests.harness.Stack`: READY=1 awaited, restarted with
+- slicerd on a fake GPU (`stubs.stack.Stack`: READY=1 awaited, restarted with
   ``stack.stop(SIGKILL)`` / ``stack.start()``);
 - "launcher": ``slicer-launch vllm --workload v`` running the vLLM stub on a fixed port;
 - "dispatcher": ``slicer-dispatch --workload v`` with its state dir (optionally a small
@@ -76,10 +76,12 @@ import httpx
 import psutil
 import trio
 
-from stubs.fakegpu import Ledger, parse_size
-from tests.harness import TOOL, Stack
+from stubs.fakegpu import Ledger
+from stubs.proc import free_port, spawn
+from stubs.proc import stop as stop_process
+from stubs.proc import wait as wait_process
+from stubs.stack import Stack
 
-ROOT = Path(__file__).resolve().parents[2]
 RESTART_S = 0.5  # systemd RestartSec
 SETTLE_S = 30.0  # past the last deadline, for the last results to come in
 STOP_S = 20.0  # a unit must end within this after SIGTERM
@@ -110,13 +112,6 @@ FAULT_KINDS = (
     "client-stall",
     "disk-full",
 )
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def fill_fs(path: Path) -> int:
@@ -348,15 +343,7 @@ class Run:
             return
         with open(u.log, "ab") as f:
             f.write(f"---- chaos: start #{u.starts + 1} ----\n".encode())
-            f.flush()
-            u.proc = subprocess.Popen(
-                u.argv,
-                env=self.env(u.name),
-                stdin=subprocess.DEVNULL,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        u.proc = spawn(u.argv, self.env(u.name), u.log)
         self.popens.append(u.proc)
         u.starts += 1
 
@@ -437,9 +424,7 @@ class Run:
         self.start_unit(u)
         while True:
             assert u.proc is not None
-            while u.proc.poll() is None:
-                await trio.sleep(0.1)
-            rc = u.proc.returncode
+            rc = await wait_process(u.proc)
             if self.stopping:
                 return
             u.exits.append(rc)
@@ -457,7 +442,7 @@ class Run:
             await trio.sleep(0.2)
             async with self.slicerd_busy:
                 proc = self.stack.proc
-                if proc is None or proc.returncode is None or self.stopping:
+                if proc is None or proc.poll() is None or self.stopping:
                     continue
                 self.report.violate(f"slicerd exited on its own with {proc.returncode}")
                 self.stack.proc = None
@@ -826,14 +811,9 @@ class Run:
             if u.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(u.proc.pid, signal.SIGCONT)
-                u.proc.send_signal(signal.SIGTERM)
-                with trio.move_on_after(STOP_S):
-                    while u.proc.poll() is None:
-                        await trio.sleep(0.1)
-                if u.proc.poll() is None:
+                # SIGKILL after STOP_S: an exit by SIGKILL is ours (nothing else kills now)
+                if await stop_process(u.proc, STOP_S) == -signal.SIGKILL:
                     self.report.violate(f"{name} did not stop within {STOP_S:g} s of SIGTERM")
-                    u.proc.kill()
-                    u.proc.wait(timeout=10)
                 u.exits.append(u.proc.returncode)
                 if name == "dispatcher" and u.proc.returncode != 0:
                     self.report.violate(f"dispatcher exited {u.proc.returncode} on SIGTERM")
@@ -841,12 +821,11 @@ class Run:
             if self.stack.proc is not None:
                 with contextlib.suppress(ProcessLookupError):
                     self.stack.proc.send_signal(signal.SIGCONT)
-                try:
-                    rc = await self.stack.stop(signal.SIGTERM)
-                    if rc != 0:
-                        self.report.notes.append(f"slicerd exited {rc} on SIGTERM")
-                except trio.TooSlowError:
+                rc = await self.stack.stop(signal.SIGTERM, grace=15)
+                if rc == -signal.SIGKILL:  # the stop's SIGKILL after the grace
                     self.report.violate("slicerd did not stop within 15 s of SIGTERM")
+                elif rc != 0:
+                    self.report.notes.append(f"slicerd exited {rc} on SIGTERM")
         for name, u in self.units.items():
             self.report.exits[name] = u.exits
 
@@ -933,27 +912,10 @@ async def run_scenario(
     report.plan = [f.describe() for f in plan]
     base = Path(tempfile.mkdtemp(prefix=f"slicer-chaos-{sc.seed}-"))
     os.chmod(base, 0o755)
-    (base / "gpu").mkdir()
     run_id = base.name
-    env = {
-        **os.environ,
-        "FAKEGPU_DIR": str(base / "gpu"),
-        "FAKEGPU_BANDWIDTH": "400GB",
-        "FAKEGPU_CC_LOG": str(base / "cc.log"),
-        "FAKEGPU_HANG_MAX": "30",
-        "PYTHONPATH": str(ROOT),
-        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
-        "CHAOS_RUN": run_id,
-        "CHAOS_UNIT": "slicerd",
-    }
-    for name in ("SLICER_SOCKET", "SLICER_WORKLOAD", "NOTIFY_SOCKET"):
-        env.pop(name, None)
-    Ledger.init(base / "gpu", 1, parse_size("80GiB"))
-    sock = str(base / "slicer.sock")
-    args = ["--socket", sock, "--gpu-backend", "fake", "--cuda-checkpoint", TOOL]
-    args += ["--state-dir", str(base / "state"), "--log-level", "debug"]
-    args += ["--park-timeout", "8", "--restore-timeout", "8", "--fault-kill-after", "3"]
-    stack = Stack(base=base, socket=sock, env=env, ledger=Ledger(base / "gpu"), args=args)
+    env = {"FAKEGPU_HANG_MAX": "30", "CHAOS_RUN": run_id, "CHAOS_UNIT": "slicerd"}
+    flags = ["--park-timeout", "8", "--restore-timeout", "8", "--fault-kill-after", "3"]
+    stack = Stack.create(base, *flags, gpus=1, capacity="80GiB", env=env)
     run = Run(sc, stack, report)
     clean = False
     try:
@@ -1039,7 +1001,7 @@ async def _reap(run: Run, report: Report, clean: bool) -> None:
         _reap_objects(run, report)
         if run.stack.proc is not None:
             with trio.move_on_after(KILL_S):
-                await run.stack.proc.wait()  # also closes its pidfd
+                await wait_process(run.stack.proc)
             if run.stack.proc.poll() is None:
                 report.violate(f"slicerd {run.stack.proc.pid} was not reaped")
             else:

@@ -9,7 +9,7 @@ import pytest
 from tests.chaos.runner import REAP_S, RUN_LIMIT_S, Scenario, run_scenario
 from tests.chaos.scenarios import FIXED
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 # run_scenario bounds each run (fault window + deadline + RUN_LIMIT_S) and then its
 # cleanup (about REAP_S), and reports a run that hit its bound as a violation; the

@@ -7,9 +7,7 @@ test turns into a failure (XPASS) the moment the fix lands: then drop the marker
 from __future__ import annotations
 
 import contextlib
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -19,10 +17,11 @@ import httpx
 import pytest
 import trio
 
-from tests.chaos.runner import fill_fs, free_port
+from stubs.proc import free_port
+from tests.chaos.runner import fill_fs
 from tests.harness import running_stack
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 
 @contextlib.contextmanager
@@ -59,20 +58,11 @@ async def test_a_request_past_its_deadline_fails_even_while_the_state_disk_is_fu
     with trio.fail_after(60), tmpfs("4m") as state:
         async with running_stack() as stack:
             port = free_port()
-            argv = [sys.executable, "-m", "gpu_slicer.dispatcher.main", "--workload", "v"]
-            argv += ["--replica", "http://127.0.0.1:9", "--socket", stack.socket]
-            argv += ["--state-dir", str(state), "--listen", f"127.0.0.1:{port}"]
-            argv += ["--sample-deadline", "3"]
-            # Its log goes to a file: a pipe nobody reads fills up and blocks it.
-            log = open(stack.base / "dispatcher.log", "wb")  # noqa: SIM115 (closed below)
-            d = subprocess.Popen(argv, env=stack.env, stdout=log, stderr=subprocess.STDOUT)
+            args = ["--sample-deadline", "3"]
+            # Its log goes to a file (base/dispatcher.log): a pipe nobody reads blocks it.
+            await stack.dispatcher("v", "http://127.0.0.1:9", port, state_dir=state, args=args)
             try:
                 async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
-                    while True:  # until it listens
-                        with contextlib.suppress(httpx.HTTPError):
-                            if (await http.get("/status")).status_code == 200:
-                                break
-                        await trio.sleep(0.2)
                     path = stack.base / "ckpt"  # a checkpoint: a directory with a file
                     path.mkdir()
                     (path / "revision.txt").write_text("r1")
@@ -95,10 +85,4 @@ async def test_a_request_past_its_deadline_fails_even_while_the_state_disk_is_fu
                 print((stack.base / "dispatcher.log").read_text(errors="replace")[-6000:])
                 raise
             finally:
-                d.send_signal(signal.SIGTERM)
-                try:
-                    d.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    d.kill()
-                    d.wait(timeout=10)
-                log.close()
+                await stack.stop_component("dispatcher")

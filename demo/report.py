@@ -1,27 +1,21 @@
 """The demo's report: turns, park/restore statistics and the timeline chart, built from
-the daemon's WATCH events (see `slicer.demo`)."""
+the daemon's WATCH events (see `demo.main`)."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stubs.fakegpu import Ledger, format_size
+from stubs.measure import percentile
 
 if TYPE_CHECKING:
-    from gpu_slicer.slicer.demo_proc import Recording
+    from demo.proc import Recording
 
 COLUMNS = 80
-
-
-def _percentile(values: list[int], q: float) -> int:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def _ms_stats(values: list[int]) -> dict[str, Any]:
@@ -30,7 +24,7 @@ def _ms_stats(values: list[int]) -> dict[str, Any]:
     return {
         "count": len(values),
         "median_ms": statistics.median(values),
-        "p99_ms": _percentile(values, 99),
+        "p99_ms": percentile(values, 99),
         "max_ms": max(values),
     }
 

@@ -1,8 +1,8 @@
 """`make demo`: the gpu-slicer loop on a fake GPU, in one command.
 
-    python -m slicer.demo [--mode loop|trainers] [--json] [--keep DIR] ...
+    python -m demo [--mode loop|trainers] [--json] [--keep DIR] ...
 
-``--mode loop`` (the default, `slicer.demo_loop`): slicerd, a vLLM replica (the stub)
+``--mode loop`` (the default, `demo.loop`): slicerd, a vLLM replica (the stub)
 under ``slicer-launch``, ``slicer-dispatch`` in front of it, a trainer stub whose every
 step publishes a revision, and a client sampling each revision ``--requests`` times. It
 prints a timeline of who held the GPU, park/restore times, the GPU busy fraction, the
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import trio
 
-from gpu_slicer.slicer.demo_proc import (
+from demo.proc import (
     TOOL,
     DemoError,
     Interrupted,
@@ -72,7 +72,7 @@ from gpu_slicer.slicer.demo_proc import (
     start_daemon,
     watch,
 )
-from gpu_slicer.slicer.demo_report import build_report, render
+from demo.report import build_report, render
 from stubs.fakegpu import Ledger, parse_size
 
 FIRST_GRANT_TIMEOUT_S = 30.0
@@ -119,7 +119,7 @@ def _count(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The demo's options."""
     p = argparse.ArgumentParser(
-        prog="python -m slicer.demo",
+        prog="python -m demo",
         description="The gpu-slicer loop on a fake GPU: slicerd, a vLLM replica under "
         "slicer-launch, slicer-dispatch, a trainer publishing revisions and a sampling "
         "client (--mode loop); or trainer stubs taking turns (--mode trainers).",
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(f"--bandwidth: {e}")
     if opts.real:
-        from gpu_slicer.slicer.demo_real import missing
+        from demo.real import missing
 
         lacking = missing(opts.model)
         if lacking:
@@ -283,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
 def _execute(opts: argparse.Namespace, base: Path) -> int:
     loop = opts.mode == "loop"
     if loop:
-        from gpu_slicer.slicer.demo_loop import run_loop
-        from gpu_slicer.slicer.demo_loop_report import build_loop_report, render_loop, write_png
+        from demo.loop import run_loop
+        from demo.loop_report import build_loop_report, render_loop, write_png
 
         runner: Runner = run_loop
     else:

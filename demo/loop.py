@@ -10,31 +10,34 @@ process group of its own and each awaited on an event (a file or a log line, bou
    and KV cache, awake, and the trainer's working set do not fit on the GPU together, so
    every handoff needs the other side parked. The launcher boots it in a boot turn,
    sleeps it, releases, and writes its ready marker.
-2. ``slicer-dispatch --workload sampler`` in front of the replica.
+2. ``slicer-dispatch --workload sampler`` in front of the replica; its event stream
+   (``GET /v1/events``) is copied to ``dispatcher-events.jsonl`` for the report.
 3. The trainer stub (``park=checkpoint``): ``--revisions`` steps; after each step's turn
    is released it saves rev-K and POSTs it to the dispatcher's ``/v1/revisions``.
-4. In this process, the sampling client (`slicer.demo_client`): as each revision appears
+4. In this process, the sampling client (`demo.client`): as each revision appears
    it sends ``--requests`` requests pinned to it and long-polls their results.
 
 The run ends when every request is settled (or the client's deadline passed); then the
 trainer must have exited 0, the dispatcher and the launcher get SIGTERM (each ends its
 turn cleanly, exit 0 expected; SIGKILL after a bound), and slicerd last. Whatever is
-left of any process group is killed by `slicer.demo_proc.end_all`.
+left of any process group is killed by `demo.proc.end_all`.
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
+import contextlib
+import json
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import trio
 
-from gpu_slicer.slicer.demo_client import sample_revisions
-from gpu_slicer.slicer.demo_proc import (
+from demo.client import sample_revisions
+from demo.proc import (
     DemoError,
     Procs,
     Recording,
@@ -47,7 +50,9 @@ from gpu_slicer.slicer.demo_proc import (
     stop,
     watch,
 )
+from gpu_slicer.dispatcher.events import follow_events
 from stubs.fakegpu import Ledger, format_size
+from stubs.proc import free_port
 
 BOOT_TIMEOUT_S = 60.0
 REAL_BOOT_TIMEOUT_S = 900.0  # real vLLM loads weights and compiles first
@@ -57,6 +62,7 @@ SETTLE_S = 5.0
 TRAINER_END_S = 30.0
 CLIENT_BASE_S = 30.0  # plus per-revision time: the client's whole-run bound
 CLIENT_PER_REVISION_S = 15.0
+EVENTS_FILE = "dispatcher-events.jsonl"  # the dispatcher's GET /v1/events, as it came
 
 # Sizes: trainer 48 GiB + awake vLLM (0.55 x 80 GiB = 44 GiB: 36 GiB weights, 0.5 GiB
 # context, the rest KV cache) > 80 GiB; the slept vLLM keeps only its 0.5 GiB context.
@@ -65,13 +71,6 @@ VLLM_UTILIZATION = 0.55
 VLLM_TOKENS_PER_S = 100
 VLLM_RELOAD_S = 0.3
 TRAINER_PAUSE_S = 0.5  # off the GPU between steps: the sampler gets its turn
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _until(
@@ -134,6 +133,17 @@ async def run_loop(opts: argparse.Namespace, base: Path, procs: Procs, rec: Reco
                      LISTEN_TIMEOUT_S, procs, base)  # fmt: skip
 
         url = f"http://127.0.0.1:{dport}"
+        events = base / EVENTS_FILE
+
+        def keep(event: dict[str, object]) -> None:
+            with events.open("a") as f:
+                f.write(json.dumps(event) + "\n")
+
+        async def follow(*, task_status: trio.TaskStatus[object]) -> None:
+            with contextlib.suppress(httpx.HTTPError):  # a dead dispatcher: its exit says so
+                await follow_events(url, keep, task_status=task_status)
+
+        await nursery.start(follow)  # subscribed before the trainer publishes anything
         argv = [sys.executable, "-m", "stubs.trainer_stub", "--socket", sock]
         argv += ["--workload", "trainer", "--bytes", str(opts.bytes), "--work", str(opts.work)]
         argv += ["--steps", str(opts.revisions), "--revisions-dir", str(base / "ckpt")]

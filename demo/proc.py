@@ -1,13 +1,12 @@
 """The demo's processes: start them in their own process groups, watch slicerd's events,
 and always end them (SIGTERM, then SIGKILL after a bound, then whatever is left of each
-group). Shared by both demo modes (`slicer.demo`, `slicer.demo_loop`)."""
+group). Shared by both demo modes (`demo.main`, `demo.loop`). Starting, the readiness
+wait and stopping are the test doubles' stack harness's (`stubs.proc`)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,15 @@ from typing import Any
 
 import trio
 
+import stubs.proc
+from demo.client import ClientReport
 from gpu_slicer import proto
 from gpu_slicer.slicer.client import AsyncSlicer, ClientError
-from gpu_slicer.slicer.demo_client import ClientReport
+from stubs.stack import FAKE_BACKEND
 
-ROOT = Path(__file__).resolve().parent.parent
-TOOL = ROOT / "stubs" / "cuda-checkpoint"
+TOOL = Path(stubs.proc.TOOL)
 READY_TIMEOUT_S = 20.0
 CHILD_GRACE_S = 5.0
-DAEMON_GRACE_S = 10.0
 GROUP_GRACE_S = 5.0
 
 
@@ -69,35 +68,15 @@ class Recording:
 
 
 def child_env(base: Path, bandwidth: str) -> dict[str, str]:
-    """The environment of every child: the fake GPU in `base`, our checkout importable."""
-    env = dict(os.environ)
-    for name in ("SLICER_SOCKET", "SLICER_WORKLOAD", "NOTIFY_SOCKET", "FAKEGPU_WORKLOAD"):
-        env.pop(name, None)
-    env.update(
-        FAKEGPU_DIR=str(base / "gpu"),
-        FAKEGPU_BANDWIDTH=bandwidth,
-        FAKEGPU_CC_LOG=str(base / "cc.log"),
-        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
-        # The cuda-checkpoint stub runs under `env python3`: make that our interpreter
-        # (which has psutil), not a shim that would re-exec it, so moves cost less.
-        PATH=os.pathsep.join(
-            p for p in (os.path.dirname(sys.executable), env.get("PATH", "")) if p
-        ),
-    )
-    return env
+    """The environment of every child (`stubs.proc.child_env`: our interpreter first on
+    PATH, our checkout importable) with the fake GPU in `base`."""
+    gpu = {"FAKEGPU_DIR": str(base / "gpu"), "FAKEGPU_CC_LOG": str(base / "cc.log")}
+    return stubs.proc.child_env({**gpu, "FAKEGPU_BANDWIDTH": bandwidth})
 
 
 def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     """Start `argv` in a session (process group) of its own, output to `log`."""
-    with open(log, "ab") as f:
-        return subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # our own process group: cleanup can reach grandchildren
-        )
+    return stubs.proc.spawn(argv, env, log)
 
 
 async def start_daemon(
@@ -105,27 +84,19 @@ async def start_daemon(
 ) -> str:
     """Start slicerd as systemd would and wait (bounded) for its READY=1; its socket."""
     sock = str(base / "slicer.sock")
-    notify_path = str(base / "notify")
     if args is None:
-        args = ["--gpu-backend", "fake", "--cuda-checkpoint", str(TOOL)]
+        args = list(FAKE_BACKEND)
     args = [*args, "--socket", sock, "--state-dir", str(base / "state"), "--log-level", "info"]
-    with trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
-        await notify.bind(notify_path)
+    with stubs.proc.Notify(base / "notify") as notify:
         procs.daemon = spawn(
             [sys.executable, "-m", "gpu_slicer.slicer.daemon", *args],
-            {**env, "NOTIFY_SOCKET": notify_path},
+            {**env, **notify.env},
             base / "slicerd.log",
         )
-        deadline = trio.current_time() + READY_TIMEOUT_S
-        while True:
-            if procs.daemon.poll() is not None:
-                raise DemoError(f"slicerd exited with {procs.daemon.returncode} before READY=1")
-            if trio.current_time() > deadline:
-                raise DemoError(f"slicerd sent no READY=1 within {READY_TIMEOUT_S:.0f} s")
-            with trio.move_on_after(0.2):
-                if b"READY=1" in await notify.recv(4096):
-                    break
-    os.unlink(notify_path)
+        try:
+            await notify.ready(procs.daemon, READY_TIMEOUT_S, "slicerd")
+        except stubs.proc.StackError as e:
+            raise DemoError(str(e)) from None
     return sock
 
 
@@ -165,53 +136,19 @@ def check_alive(procs: Procs, base: Path, names: list[str] | None = None) -> Non
 
 async def reap(p: subprocess.Popen[bytes], grace: float) -> int:
     """Wait `grace` seconds for `p`, then SIGKILL it; its exit status."""
-    with trio.move_on_after(grace):
-        while p.poll() is None:
-            await trio.sleep(0.05)
-    if p.poll() is None:
-        p.kill()
-        p.wait(timeout=10)
-    return p.returncode
+    return await stubs.proc.stop(p, grace, sig=None)
 
 
 async def stop(p: subprocess.Popen[bytes], grace: float = CHILD_GRACE_S) -> int:
     """SIGTERM `p` (when still running), SIGKILL after `grace`; its exit status."""
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-    return await reap(p, grace)
+    return await stubs.proc.stop(p, grace)
 
 
 def end_all(procs: Procs) -> None:
-    """Synchronous last resort: end every child and every process of their groups."""
-    for p in procs.all():
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + CHILD_GRACE_S
-    for p in procs.all():
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
-    # Grandchildren (cuda-checkpoint runs of slicerd, vLLM under the launcher) live in
-    # their leader's group; the tool is never killed mid-operation by slicerd, so give
-    # the groups a while to finish first.
-    deadline = time.monotonic() + GROUP_GRACE_S
-    for pgid in [p.pid for p in procs.all()]:
-        while group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if group_alive(pgid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of group `pgid` still exists."""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+    """Synchronous last resort: end every child and every process of their groups
+    (grandchildren such as slicerd's cuda-checkpoint runs are given the grace too: slicerd
+    never kills the tool mid-operation)."""
+    stubs.proc.end_all(procs.all(), CHILD_GRACE_S + GROUP_GRACE_S)
 
 
 async def on_signal(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

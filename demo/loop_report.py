@@ -1,20 +1,20 @@
 """The loop demo's report: slicerd's view (turns, parks, restores, from WATCH events),
-the dispatcher's view of the sampler (vLLM wake, weight load and sleep, from its log),
-the sampling client's outcomes, and the PNG chart (`slicer.demo_png`)."""
+the dispatcher's view of the sampler (vLLM wake, weight load and sleep, from its event
+stream, ``GET /v1/events``),
+the sampling client's outcomes, and the PNG chart (`demo.chart`)."""
 
 from __future__ import annotations
 
 import argparse
-import re
-import time
-from datetime import datetime
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
-from gpu_slicer.slicer.demo_loop import describe
-from gpu_slicer.slicer.demo_png import Bar, write_chart
-from gpu_slicer.slicer.demo_proc import Recording
-from gpu_slicer.slicer.demo_report import (
+from demo.chart import Bar, ChartsMissing, write_chart
+from demo.loop import EVENTS_FILE, describe
+from demo.proc import Recording
+from demo.report import (
     _ms_stats,
     analyze,
     common_problems,
@@ -27,27 +27,22 @@ from gpu_slicer.slicer.demo_report import (
 from stubs.fakegpu import Ledger
 
 NAMES = ["trainer", "sampler"]
-_PHASE = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) slicer-dispatch\[\d+\] INFO turn \d+: "
-    r"(woke|loaded revision \S+|slept the replica) in ([\d.]+) s$"
-)
+_SPANS = {"woke": "wake", "load_end": "load", "slept": "sleep"}  # event -> span kind
 
 
-def vllm_phases(log: Path) -> dict[str, list[dict[str, Any]]]:
-    """The sampler's wake, load and sleep spans, from the dispatcher's log lines, on the
-    monotonic clock (the daemon's): each line is logged (wall clock, ms) as its phase
-    ends, with its duration."""
+def vllm_phases(events: Path) -> dict[str, list[dict[str, Any]]]:
+    """The sampler's wake, load and sleep spans, from the dispatcher's events (JSON
+    lines of ``GET /v1/events``), on the monotonic clock (the daemon's): each event is
+    published as its phase ends (``t``), with its duration; failed ones are left out."""
     out: dict[str, list[dict[str, Any]]] = {"wake": [], "load": [], "sleep": []}
-    if not log.exists():
+    if not events.exists():
         return out
-    wall_to_mono = time.time() - time.monotonic()
-    for line in log.read_text(errors="replace").splitlines():
-        m = _PHASE.match(line.strip())
-        if m is None:
+    for line in events.read_text(errors="replace").splitlines():
+        e = json.loads(line)
+        kind = _SPANS.get(e["event"])
+        if kind is None or e.get("ok") is False:
             continue
-        end = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() - wall_to_mono
-        secs = float(m[3])
-        kind = {"w": "wake", "l": "load", "s": "sleep"}[m[2][0]]
+        end, secs = float(e["t"]), float(e["duration_s"])
         out[kind].append({"workload": "sampler", "start": end - secs, "end": end,
                           "ms": round(secs * 1000)})  # fmt: skip
     return out
@@ -57,7 +52,7 @@ def build_loop_report(
     opts: argparse.Namespace, rec: Recording, ledger: Ledger | None, base: Path
 ) -> dict[str, Any]:
     """Everything the loop demo shows, as one JSON-able dict; `ok` and `problems` decide."""
-    phases = vllm_phases(base / "dispatcher.log")
+    phases = vllm_phases(base / EVENTS_FILE)
     overlay = [("r", phases["wake"] + phases["load"]), ("p", phases["sleep"])]
     a = analyze(rec, NAMES, overlay)
     overlaps = ledger.overlaps() if ledger is not None else None  # None: a real GPU
@@ -128,7 +123,8 @@ def title(r: dict[str, Any]) -> str:
 
 
 def write_png(r: dict[str, Any], path: Path) -> None:
-    """Draw the report's timeline into `path`; record path and size in `r["png"]`."""
+    """Draw the report's timeline into `path`; record path and size in `r["png"]`. Without
+    matplotlib (the `charts` extra) one line on stderr says so, and `r["png"]` stays None."""
     bars: dict[str, list[Bar]] = {n: [] for n in NAMES}
     for t in r["turns"]:
         end = r["window_s"] if t["end"] is None else t["end"]
@@ -141,7 +137,11 @@ def write_png(r: dict[str, Any], path: Path) -> None:
         bars["sampler"].append((s["start"], s["end"], "restoring"))
     for s in r["vllm"]["sleep"]:
         bars["sampler"].append((s["start"], s["end"], "parking"))
-    width, height = write_chart(path, title(r), list(bars.items()), r["window_s"])
+    try:
+        width, height = write_chart(path, title(r), list(bars.items()), r["window_s"])
+    except ChartsMissing as e:
+        print(f"demo: no chart written: {e}", file=sys.stderr)
+        return
     r["png"] = {"path": str(path), "width": width, "height": height}
 
 

@@ -1,0 +1,358 @@
+"""The client side of one slicerd connection, sans-IO in the manner of h11.
+
+A `ClientSession` never touches a socket. A transport asks it for a request's line,
+writes that line, and feeds it whatever bytes it reads; the session says which request
+each reply answers, what else arrived, and which exception a failure is. The sync and
+trio clients (`gpu_slicer.slicer.client`) are such transports; an asyncio one is as thin.
+
+Theory of operation
+-------------------
+The server answers the requests of one connection in the order they were sent, each with
+exactly one ``OK`` or ``ERR`` line, however long one of them waits (an ACQUIRE). Replies
+are therefore matched to requests by position alone: `send` encodes a request and appends
+its `Call` to a FIFO of pending calls, the transport writes the calls' lines in that same
+order, and each reply completes the oldest pending call. Requests may be pipelined.
+
+``FAULT``, ``WAITING``, ``PARK`` and ``EVENT`` lines are not replies: they may arrive at
+any moment and are queued, in order, in `events` for whoever reads the connection. A
+``FAULT`` also marks every call pending at that moment: its `Call.result` raises `Faulted`
+once its reply has been read (the reply is consumed first, so the next reply still goes
+to the next call).
+
+A call whose caller stopped waiting (a timeout, a cancellation) stays pending: its reply
+still arrives and is dropped with the call, so the connection stays in step.
+
+Failures. ``ERR`` becomes `ClientError` with the wire code, raised by `Call.result`. A
+lost connection (`connection_lost`, `receive_eof`) fails every pending call and every
+later `send` with `Unreachable`. A malformed line raises `RemoteProtocolError` from
+`receive_data` after the other lines of that data were taken; a malformed reply also
+fails its own call, so the order holds. Two things leave the stream out of step and fail
+the session for good (every pending call, every later `send` and `receive_data`): a line
+over the limit, and a reply while no call is pending (an ``ERR`` then is the server
+refusing the connection, such as ``ERR limit``, and fails it as that `ClientError`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from gpu_slicer.proto.client_errors import ClientError, Faulted, Unreachable
+from gpu_slicer.proto.codec import encode
+from gpu_slicer.proto.errors import ErrorCode, LineTooLong, ProtocolError, RemoteProtocolError
+from gpu_slicer.proto.framing import LineBuffer
+from gpu_slicer.proto.messages import (
+    Acquire,
+    Err,
+    Fault,
+    Ok,
+    Parked,
+    ParkFallback,
+    ParkMode,
+    Ping,
+    Register,
+    Release,
+    ReleasePark,
+    Reply,
+    Request,
+    ServerMessage,
+    Status,
+    Unregister,
+    Watch,
+)
+from gpu_slicer.proto.replies import parse_server_line
+from gpu_slicer.proto.values import MAX_SERVER_LINE, parse_size
+
+__all__ = ["Call", "ClientSession", "Turn"]
+
+T = TypeVar("T")
+Failure = Callable[[], Exception]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A granted turn: ACQUIRE's ``OK turn=T restored=0|1 waited_ms=N``."""
+
+    workload: str
+    turn: int
+    restored: bool
+    waited_ms: int
+
+
+class Call(Generic[T]):
+    """One request of a session: write `line`; once `done` (its reply was read, or the
+    connection failed), `result()` is the reply's value or raises."""
+
+    def __init__(self, request: Request, line: bytes, convert: Callable[[Ok], T]) -> None:
+        self.request = request
+        self.line = line
+        self.reply: Reply | None = None
+        self.fault: Fault | None = None  # the first FAULT that arrived while it waited
+        self._convert = convert
+        self._failure: Failure | None = None
+
+    def __repr__(self) -> str:
+        return f"<Call {self.line[:60]!r} reply={self.reply!r} fault={self.fault!r}>"
+
+    @property
+    def done(self) -> bool:
+        """The reply was read, or no reply can come any more."""
+        return self.reply is not None or self._failure is not None
+
+    def result(self) -> T:
+        """The reply's value (a dict of its fields, a `Turn`, a STATUS body, or None).
+
+        Raises `Faulted` when a FAULT arrived before the reply, `ClientError` on ERR,
+        `Unreachable` when the connection was lost first, `RemoteProtocolError` for a
+        malformed reply, and `ProtocolError` (internal) when the call is not done yet.
+        """
+        if self._failure is not None:
+            raise self._failure()
+        reply = self.reply
+        if reply is None:
+            raise ProtocolError(ErrorCode.INTERNAL, f"{_verb(self.request)}: no reply yet")
+        if self.fault is not None:
+            raise Faulted(self.fault, reply)
+        if isinstance(reply, Err):
+            raise ClientError(str(reply.code), reply.text)
+        try:
+            return self._convert(reply)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise RemoteProtocolError(
+                ErrorCode.BAD_ARGUMENT, f"{_verb(self.request)}: unexpected reply {reply}: {exc}"
+            ) from None
+
+    def _fail(self, failure: Failure) -> None:
+        if not self.done:
+            self._failure = failure
+
+
+class ClientSession:
+    """The protocol state of one client connection (module docstring).
+
+    `workload` is the name a request uses when it is given none (set by `register`);
+    `events` holds the non-reply lines not yet taken; `on_event`, when set, is called with
+    each of them as it is queued (synchronously: it must not block).
+    """
+
+    def __init__(self, workload: str | None = None, max_line: int = MAX_SERVER_LINE) -> None:
+        self.workload = workload
+        self.events: deque[ServerMessage] = deque()
+        self.on_event: Callable[[ServerMessage], None] | None = None
+        self._buffer = LineBuffer(max_line)
+        self._pending: deque[Call[Any]] = deque()
+        self._failure: Failure | None = None
+
+    @property
+    def pending(self) -> int:
+        """How many calls wait for their reply (abandoned ones included)."""
+        return len(self._pending)
+
+    @property
+    def failed(self) -> bool:
+        """No reply can come any more: the connection was lost or is out of step."""
+        return self._failure is not None
+
+    # -- requests ----------------------------------------------------------------------
+
+    def send(self, request: Request) -> Call[Ok]:
+        """Any request; its call's result is the `Ok` itself. Raises `ProtocolError` for
+        a request that cannot be encoded (nothing is then pending) and the session's
+        failure once it failed."""
+        return self._send(request, _ok)
+
+    def ping(self) -> Call[None]:
+        """``PING``."""
+        return self._send(Ping(), _none)
+
+    def register(
+        self,
+        name: str | None = None,
+        *,
+        gpu: int | str | None = None,
+        pid: int | None = None,
+        tree: bool = True,
+        park: str = "checkpoint",
+        parked_max: int | str = 0,
+        fallback: str = "none",
+        ask: bool = False,
+    ) -> Call[dict[str, str]]:
+        """``REGISTER``; `name` also becomes the session's `workload`. `parked_max` may
+        be a size text (``4GiB``); `park` and `fallback` are the wire words."""
+        name = self._name(name)
+        self.workload = name
+        size = parse_size(parked_max) if isinstance(parked_max, str) else parked_max
+        req = Register(
+            name,
+            gpu=None if gpu is None else str(gpu),
+            pid=pid,
+            tree=tree,
+            park=ParkMode(park),
+            parked_max=size,
+            fallback=ParkFallback(fallback),
+            ask=ask,
+        )
+        return self._send(req, _fields)
+
+    def acquire(self, name: str | None = None, wait: float | None = None) -> Call[Turn]:
+        """``ACQUIRE``: its result is the granted `Turn` (`wait` None: no bound)."""
+        name = self._name(name)
+        return self._send(Acquire(name, wait), lambda ok: _turn(name, ok))
+
+    def release(self, turn: Turn, park: str = "lazy") -> Call[dict[str, str]]:
+        """``RELEASE`` of `turn` (``park`` ``lazy`` or ``now``)."""
+        return self._send(Release(turn.workload, turn.turn, ReleasePark(park)), _fields)
+
+    def parked(self, name: str, turn: int, ok: bool = True) -> Call[None]:
+        """``PARKED``: the registrant's answer to a ``PARK`` (`ok` False: it could not)."""
+        return self._send(Parked(name, turn, ok), _none)
+
+    def unregister(self, name: str | None = None) -> Call[None]:
+        """``UNREGISTER``."""
+        return self._send(Unregister(self._name(name)), _none)
+
+    def status(self) -> Call[dict[str, Any]]:
+        """``STATUS``: its result is the JSON body."""
+        return self._send(Status(), _body)
+
+    def watch(self) -> Call[None]:
+        """``WATCH``: after its reply every line is an ``EVENT`` (queued in `events`)."""
+        return self._send(Watch(), _none)
+
+    def _name(self, name: str | None) -> str:
+        name = name or self.workload
+        if not name:
+            raise ClientError("bad-request", "no workload name (set SLICER_WORKLOAD)")
+        return name
+
+    def _send(self, request: Request, convert: Callable[[Ok], T]) -> Call[T]:
+        if self._failure is not None:
+            raise self._failure()
+        call = Call(request, encode(request), convert)
+        self._pending.append(call)
+        return call
+
+    # -- what arrives ------------------------------------------------------------------
+
+    def receive_data(self, data: bytes | bytearray) -> list[ServerMessage]:
+        """Take bytes read from the connection: complete the calls their replies answer
+        and queue (and return) the other lines they complete.
+
+        Raises `RemoteProtocolError` for a malformed line (after taking the rest of
+        `data`), or the session's failure when it failed (module docstring).
+        """
+        if self._failure is not None:
+            raise self._failure()
+        try:
+            lines = self._buffer.feed(bytes(data))
+        except LineTooLong as exc:
+            self._break(_remote(exc.code, f"from the server: {exc.message}"))
+            raise self._failure_now() from None
+        new: list[ServerMessage] = []
+        first: RemoteProtocolError | None = None
+        for raw in lines:
+            try:
+                self._take(raw, new)
+            except RemoteProtocolError as exc:
+                first = first or exc
+            if self._failure is not None:
+                raise self._failure_now()
+        if first is not None:
+            raise first
+        return new
+
+    def receive_eof(self) -> None:
+        """The daemon closed the connection."""
+        self.connection_lost("the daemon closed the connection")
+
+    def connection_lost(self, text: str) -> None:
+        """The connection is gone (`text` says why): every pending and later call fails
+        with `Unreachable`. A session that failed already keeps its first failure."""
+        self._break(lambda: Unreachable(text))
+
+    def next_event(self) -> ServerMessage | None:
+        """The oldest queued non-reply line; None when there is none yet. Raises the
+        session's failure when it failed and nothing is queued."""
+        if self.events:
+            return self.events.popleft()
+        if self._failure is not None:
+            raise self._failure()
+        return None
+
+    def _take(self, raw: bytes, new: list[ServerMessage]) -> None:
+        try:
+            msg = parse_server_line(raw)
+        except ProtocolError as exc:
+            if _is_reply(raw) and self._pending:
+                text = f"{_verb(self._pending[0].request)}: malformed reply: {exc.message}"
+                self._pending.popleft()._fail(_remote(exc.code, text))
+            elif _is_reply(raw):
+                self._break(_remote(exc.code, f"a malformed reply to nothing: {exc.message}"))
+            raise RemoteProtocolError(exc.code, f"from the server: {exc.message}") from None
+        if isinstance(msg, Ok | Err):
+            if self._pending:
+                self._pending.popleft().reply = msg
+            elif isinstance(msg, Err):
+                code, text = str(msg.code), msg.text
+                self._break(lambda: ClientError(code, text))
+            else:
+                self._break(_remote(ErrorCode.INTERNAL, f"a reply that answers no request: {msg}"))
+            return
+        if isinstance(msg, Fault):
+            for call in self._pending:
+                if call.fault is None:
+                    call.fault = msg
+        self.events.append(msg)
+        new.append(msg)
+        if self.on_event is not None:
+            self.on_event(msg)
+
+    def _break(self, failure: Failure) -> None:
+        if self._failure is not None:
+            return
+        self._failure = failure
+        for call in self._pending:
+            call._fail(failure)
+        self._pending.clear()
+
+    def _failure_now(self) -> Exception:
+        assert self._failure is not None
+        return self._failure()
+
+
+def _verb(request: Request) -> str:
+    return type(request).__name__.upper()
+
+
+def _is_reply(raw: bytes) -> bool:
+    verb = raw.rstrip(b"\r").partition(b" ")[0]
+    return verb in (b"OK", b"ERR")
+
+
+def _remote(code: ErrorCode, text: str) -> Failure:
+    return lambda: RemoteProtocolError(code, text)
+
+
+def _ok(ok: Ok) -> Ok:
+    return ok
+
+
+def _none(ok: Ok) -> None:
+    return None
+
+
+def _fields(ok: Ok) -> dict[str, str]:
+    return ok.fields
+
+
+def _body(ok: Ok) -> dict[str, Any]:
+    if not isinstance(ok.body, dict):
+        raise TypeError("the reply has no JSON object body")
+    return ok.body
+
+
+def _turn(name: str, ok: Ok) -> Turn:
+    f = ok.fields
+    return Turn(name, int(f["turn"]), f.get("restored") == "1", int(f.get("waited_ms", "0")))

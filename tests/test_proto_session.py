@@ -1,0 +1,320 @@
+"""The sans-IO client session (proto/session.py), table-driven: requests are sent, server
+bytes are fed (whole, and again one byte at a time), replies, events and exceptions are
+asserted. No sockets, no trio."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from gpu_slicer import proto
+from gpu_slicer.proto import (
+    Call,
+    ClientError,
+    ClientSession,
+    ErrorCode,
+    Event,
+    Fault,
+    Faulted,
+    Ok,
+    ParkAsk,
+    ProtocolError,
+    RemoteProtocolError,
+    Turn,
+    Unreachable,
+    Waiting,
+)
+
+W1 = Turn("w", 1, False, 0)
+
+
+@dataclass(frozen=True)
+class Raises:
+    """An expected exception: its type and wire code."""
+
+    type: type[Exception]
+    code: str
+
+
+def ping(s: ClientSession) -> Call[Any]:
+    return s.ping()
+
+
+def acquire(s: ClientSession) -> Call[Any]:
+    return s.acquire("w")
+
+
+def release(s: ClientSession) -> Call[Any]:
+    return s.release(W1)
+
+
+def status(s: ClientSession) -> Call[Any]:
+    return s.status()
+
+
+def register(s: ClientSession) -> Call[Any]:
+    return s.register("w", pid=42, park="cooperative", parked_max="4GiB")
+
+
+@dataclass
+class Case:
+    id: str
+    calls: list[Callable[[ClientSession], Call[Any]]]
+    data: bytes
+    results: list[object]  # a call's value, or Raises
+    events: list[object] = field(default_factory=list)
+    feed: Raises | None = None  # what receive_data raised first
+    failed: bool = False
+
+
+CASES = [
+    Case("ping", [ping], b"OK\n", [None]),
+    Case("crlf", [ping], b"OK\r\n", [None]),
+    Case(
+        "pipelined replies go to their requests in order",
+        [register, acquire, status, release],
+        b"OK workload=w gpu=0 state=registered\nOK turn=7 restored=1 waited_ms=12\n"
+        b'OK {"gpus":[]}\nERR not-holder -- turn 1 is not current\n',
+        [
+            {"workload": "w", "gpu": "0", "state": "registered"},
+            Turn("w", 7, True, 12),
+            {"gpus": []},
+            Raises(ClientError, "not-holder"),
+        ],
+    ),
+    Case(
+        "WAITING then the grant",
+        [acquire],
+        b"WAITING w turn=3 waiters=1\nOK turn=4 restored=0 waited_ms=0\n",
+        [Turn("w", 4, False, 0)],
+        events=[Waiting("w", 3, 1)],
+    ),
+    Case(
+        "FAULT mid-request raises Faulted after its OK",
+        [acquire],
+        b"FAULT w turn=1 reason=restore-failed -- boom\nOK turn=2 restored=1 waited_ms=0\n",
+        [Raises(Faulted, "fault")],
+        events=[Fault("w", 1, "restore-failed", "boom")],
+    ),
+    Case(
+        "FAULT then ERR: Faulted with the ERR's code",
+        [release],
+        b"FAULT w turn=1 reason=lock-failed\nERR park-failed -- park of w: lock-failed\n",
+        [Raises(Faulted, "park-failed")],
+        events=[Fault("w", 1, "lock-failed")],
+    ),
+    Case(
+        "a FAULT marks every call still pending when it arrives",
+        [acquire, ping, ping],
+        b"OK turn=1 restored=0 waited_ms=0\nFAULT w turn=1 reason=x\nOK\nOK\n",
+        [W1, Raises(Faulted, "fault"), Raises(Faulted, "fault")],
+        events=[Fault("w", 1, "x")],
+    ),
+    Case(
+        "PARK ask and EVENT lines are queued, replies are not",
+        [ping],
+        b'PARK w turn=1 timeout_ms=500\nEVENT {"event":"granted","turn":2}\nOK\n',
+        [None],
+        events=[ParkAsk("w", 1, 500), Event({"event": "granted", "turn": 2})],
+    ),
+    Case(
+        "an unknown ERR code stays a string",
+        [ping],
+        b"ERR brand-new-code -- from a newer server\n",
+        [Raises(ClientError, "brand-new-code")],
+    ),
+    Case(
+        "a malformed line is refused; the pending call still gets its reply",
+        [ping],
+        b"FAULT w\nBOGUS line\nOK\n",
+        [None],
+        feed=Raises(RemoteProtocolError, "missing-argument"),
+    ),
+    Case(
+        "a malformed reply fails its own call only",
+        [ping, ping],
+        b"OK stray-positional\nOK\n",
+        [Raises(RemoteProtocolError, "bad-argument"), None],
+        feed=Raises(RemoteProtocolError, "bad-argument"),
+    ),
+    Case(
+        "a reply of the wrong shape fails its call",
+        [acquire, status],
+        b"OK restored=1\nOK ok=1\n",
+        [Raises(RemoteProtocolError, "bad-argument"), Raises(RemoteProtocolError, "bad-argument")],
+    ),
+    Case(
+        "a reply to nothing puts the stream out of step",
+        [ping],
+        b"OK\nOK\n",
+        [None],
+        feed=Raises(RemoteProtocolError, "internal"),
+        failed=True,
+    ),
+    Case(
+        "an ERR to nothing is the server refusing the connection",
+        [],
+        b"ERR limit -- too many connections\n",
+        [],
+        feed=Raises(ClientError, "limit"),
+        failed=True,
+    ),
+    Case(
+        "a line over the limit fails every pending call",
+        [ping],
+        b"EVENT " + b"x" * proto.MAX_SERVER_LINE,
+        [Raises(RemoteProtocolError, "line-too-long")],
+        feed=Raises(RemoteProtocolError, "line-too-long"),
+        failed=True,
+    ),
+]
+
+
+def _check(outcome: object, fn: Callable[[], object]) -> None:
+    if isinstance(outcome, Raises):
+        with pytest.raises(outcome.type) as e:
+            fn()
+        code = getattr(e.value, "code", None)
+        assert str(code) == outcome.code, e.value
+    else:
+        assert fn() == outcome
+
+
+def _chunks(data: bytes, split: str) -> list[bytes]:
+    if split == "whole":
+        return [data]
+    step = 4096 if len(data) > 100_000 else 1
+    return [data[i : i + step] for i in range(0, len(data), step)]
+
+
+@pytest.mark.parametrize("split", ["whole", "bytes"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_session(case: Case, split: str) -> None:
+    s = ClientSession()
+    calls = [make(s) for make in case.calls]
+    assert s.pending == len(calls)
+    raised: Exception | None = None
+    for chunk in _chunks(case.data, split):
+        try:
+            s.receive_data(chunk)
+        except (ClientError, ProtocolError) as e:
+            raised = raised or e
+            if s.failed:
+                break
+    if case.feed is None:
+        assert raised is None
+    else:
+        assert isinstance(raised, case.feed.type), raised
+        assert str(getattr(raised, "code", None)) == case.feed.code, raised
+    for call, outcome in zip(calls, case.results, strict=True):
+        assert call.done
+        _check(outcome, call.result)
+    assert list(s.events) == case.events
+    assert s.failed == case.failed
+    assert s.pending == 0
+
+
+def test_the_lines_to_write_are_the_requests_encoded() -> None:
+    s = ClientSession("w")
+    assert s.register(pid=7, ask=True, fallback="checkpoint").line == (
+        b"REGISTER w pid=7 fallback=checkpoint ask=1\n"
+    )
+    assert s.acquire(wait=2.5).line == b"ACQUIRE w wait=2.5\n"
+    assert s.release(Turn("w", 3, True, 0), park="now").line == b"RELEASE w turn=3 park=now\n"
+    assert s.parked("w", 3, ok=False).line == b"PARKED w turn=3 ok=0\n"
+    assert s.unregister().line == b"UNREGISTER w\n"
+    assert s.send(proto.Hello()).line == b"HELLO proto=1\n"
+    assert s.pending == 6
+
+
+def test_register_names_the_default_workload() -> None:
+    s = ClientSession()
+    with pytest.raises(ClientError) as e:
+        s.acquire()
+    assert e.value.code == "bad-request" and s.pending == 0
+    s.register("trainer")
+    assert s.workload == "trainer"
+    assert s.acquire().line == b"ACQUIRE trainer\n"
+
+
+def test_a_request_that_cannot_be_encoded_leaves_nothing_pending() -> None:
+    s = ClientSession()
+    with pytest.raises(ProtocolError) as e:
+        s.acquire("bad name")
+    assert e.value.code is ErrorCode.BAD_NAME and s.pending == 0
+    ping = s.ping()
+    s.receive_data(b"OK\n")
+    assert ping.result() is None
+
+
+def test_an_abandoned_call_takes_its_own_late_reply() -> None:
+    s = ClientSession()
+    slow = s.acquire("w")  # its caller timed out and went on
+    fast = s.ping()
+    s.receive_data(b"OK turn=5 restored=0 waited_ms=9000\n")
+    assert slow.done and not fast.done
+    s.receive_data(b"OK\n")
+    assert fast.result() is None
+
+
+def test_result_before_the_reply_is_a_transport_bug() -> None:
+    s = ClientSession()
+    call = s.ping()
+    with pytest.raises(ProtocolError) as e:
+        call.result()
+    assert e.value.code is ErrorCode.INTERNAL
+
+
+def test_a_lost_connection_fails_pending_and_later_calls_after_queued_events() -> None:
+    s = ClientSession()
+    call = s.acquire("w")
+    s.receive_data(b"WAITING w turn=1 waiters=2\n")
+    s.receive_eof()
+    with pytest.raises(Unreachable) as e:
+        call.result()
+    assert e.value.code == "unreachable" and "closed" in e.value.text
+    with pytest.raises(Unreachable):
+        s.ping()
+    assert s.next_event() == Waiting("w", 1, 2)  # what arrived is still readable
+    with pytest.raises(Unreachable):
+        s.next_event()
+    s.connection_lost("later")  # the first failure stays
+    with pytest.raises(Unreachable) as e:
+        s.next_event()
+    assert "closed" in e.value.text
+
+
+def test_next_event_is_none_until_a_line_arrives() -> None:
+    s = ClientSession()
+    assert s.next_event() is None
+    s.receive_data(b"FAULT w turn=0 ")
+    assert s.next_event() is None
+    s.receive_data(b"reason=gone\n")
+    assert s.next_event() == Fault("w", 0, "gone")
+
+
+def test_on_event_sees_each_line_as_it_is_queued() -> None:
+    s = ClientSession()
+    seen: list[proto.ServerMessage] = []
+    s.on_event = seen.append
+    s.ping()
+    s.receive_data(b"WAITING w turn=1 waiters=1\nOK\nFAULT w turn=1 reason=r\n")
+    assert seen == [Waiting("w", 1, 1), Fault("w", 1, "r")] == list(s.events)
+
+
+def test_faulted_keeps_the_fault_and_the_reply() -> None:
+    s = ClientSession()
+    call = s.release(W1)
+    s.receive_data(b"FAULT w turn=1 reason=lock-failed -- boom\nOK parked=0 park_ms=3\n")
+    with pytest.raises(ClientError) as e:  # a Faulted is a ClientError
+        call.result()
+    assert isinstance(e.value, Faulted)
+    assert e.value.fault == Fault("w", 1, "lock-failed", "boom")
+    assert e.value.reply == Ok({"parked": "0", "park_ms": "3"})
+    assert str(e.value) == "fault: w turn=1 lock-failed"
+    later = s.ping()  # the OK was consumed with the FAULT: the next reply is the PING's
+    s.receive_data(b"OK\n")
+    assert later.result() is None and not later.fault
