@@ -88,6 +88,7 @@ MAX_BODY_BYTES = 64 << 20
 MAX_WAIT_S = 300.0
 DEFAULT_WAIT_S = 30.0
 SSE_KEEPALIVE_S = 15.0
+SHUTDOWN_GRACE_S = 2.0  # serve_http: open requests after shutdown, by default
 
 # Most specific first.
 ERROR_MAP: list[tuple[type[DispatchError], int, str]] = [
@@ -373,14 +374,20 @@ async def serve_http(
     bind: str,
     shutdown: trio.Event,
     *,
+    grace: float = SHUTDOWN_GRACE_S,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``bind`` ("HOST:PORT" or "unix:PATH") until ``shutdown`` is set;
-    ``task_status.started`` gets the bound addresses."""
+    ``task_status.started`` gets the bound addresses.
+
+    Once ``shutdown`` is set no new connection is accepted and idle ones close; the
+    requests still open (event streams, long-polls) get up to ``grace`` seconds, then
+    are cut. A caller with more to tell them first (the dispatcher ends its turn) gives
+    a ``grace`` that covers it and cancels this task itself once it is done."""
     conf = HyperConfig()
     conf.bind = [bind]
     conf.accesslog = None
-    conf.graceful_timeout = 2.0
+    conf.graceful_timeout = grace  # hypercorn's deadline for open connections after shutdown
     conf.loglevel = "WARNING"  # "Running on ..." is printed by main as "listening on ..."
     asgi: Any = app  # hypercorn's ASGI types are narrower than starlette's
     await hypercorn_serve(asgi, conf, shutdown_trigger=shutdown.wait, task_status=task_status)

@@ -20,7 +20,8 @@ One dispatcher per state dir: it takes an exclusive lock on ``STATE_DIR/dispatch
 one line naming the owner's pid (:mod:`dispatcher.owner`).
 
 SIGTERM/SIGINT: stop accepting, end a held turn (sleep vLLM, RELEASE, both bounded),
-exit 0. Prints ``listening on ...`` to stderr once the front is bound.
+end every ``GET /v1/events`` stream after the turn's last events with ``closed``, then
+close the front and exit 0. Prints ``listening on ...`` to stderr once the front is bound.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import os
 import signal
 import stat
 import sys
+from functools import partial
 from pathlib import Path
 
 import click
@@ -51,6 +53,7 @@ from gpu_slicer.dispatcher.vllm import Replica
 log = logging.getLogger("dispatcher")
 
 EVENTS_CLOSE_GRACE_S = 1.0  # at a stop, for readers of GET /v1/events to get "closed"
+SHUTDOWN_MARGIN_S = 5.0  # hypercorn's own cut comes this long after ours would
 
 
 async def _run(store: Store, replica_url: str, cfg: TurnConfig, bind: str) -> None:
@@ -60,17 +63,20 @@ async def _run(store: Store, replica_url: str, cfg: TurnConfig, bind: str) -> No
         async with trio.open_nursery() as nursery:
             async with trio.open_nursery() as turns:
                 await turns.start(loop.run)
-                binds = await nursery.start(serve_http, build_app(loop), bind, stop)
+                # The open requests outlive the turn's end (and "closed"): main cuts them.
+                grace = loop.end_timeout + EVENTS_CLOSE_GRACE_S + SHUTDOWN_MARGIN_S
+                serve = partial(serve_http, build_app(loop), bind, stop, grace=grace)
+                binds = await nursery.start(serve)
                 print(f"listening on {' '.join(binds)}", file=sys.stderr, flush=True)
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for signum in signals:
                         log.info("%s: stopping", signal.Signals(signum).name)
                         break
-                stop.set()  # the front stops accepting, then the loop ends its turn (shielded)
-                turns.cancel_scope.cancel()
+                stop.set()  # no new connections; the open ones (event streams) stay
+                turns.cancel_scope.cancel()  # the loop ends its turn (shielded, bounded)
             # The turn's end is published; the event streams end with their "closed" line.
             await loop.events.aclose(EVENTS_CLOSE_GRACE_S)
-            nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()  # only now: the requests still open are cut
 
 
 def _bind(listen: str | None, listen_unix: str | None) -> str:

@@ -33,7 +33,9 @@ A turn, while anything is pending (each phase is logged with its duration)::
 The serving part of a turn (load, send, commit, grace) is :class:`~dispatcher.serve.Serving`;
 :class:`TurnLoop` holds the front door, the ticker and the turn's frame. Every phase change
 of either goes through :meth:`TurnLoop._enter`, which checks :mod:`dispatcher.model`'s
-table and publishes the change (``GET /v1/events``), as are the turn's steps.
+table and publishes the change (``GET /v1/events``), as are the turn's steps. On the way
+out of a turn (sleeping, releasing, idle) a change the table misses is logged, published
+as ``transition_error`` and taken anyway: the sleep and RELEASE always happen.
 
 The end of a turn (sleep, then RELEASE) runs shielded from cancellation, so SIGTERM
 during a turn still puts vLLM to sleep and hands the GPU back before the process exits.
@@ -57,7 +59,13 @@ import trio
 
 from gpu_slicer import proto
 from gpu_slicer.dispatcher.checkpoint import check_checkpoint_dir, check_path_text
-from gpu_slicer.dispatcher.errors import DispatchError, ReplicaError, StoreError, UnknownRevision
+from gpu_slicer.dispatcher.errors import (
+    DispatchError,
+    IllegalTransition,
+    ReplicaError,
+    StoreError,
+    UnknownRevision,
+)
 from gpu_slicer.dispatcher.events import EventStream, Subscription
 from gpu_slicer.dispatcher.model import (
     Counters,
@@ -139,6 +147,26 @@ class TurnLoop:
             previous, self.phase = self.phase, phase
             self.events.publish("phase", phase=phase.value, previous=previous.value,
                                 turn=self.turn)  # fmt: skip
+
+    def _enter_ending(self, phase: Phase) -> None:
+        """:meth:`_enter` for the end of a turn: a change the table misses is logged at error
+        and published (``transition_error``), then taken all the same."""
+        try:
+            self._enter(phase)
+        except IllegalTransition as e:
+            # A gap in the table must never skip the sleep and RELEASE (the turn would stay
+            # held, the other workload parked) nor end the loop: the way out goes on.
+            log.error("ending a turn: %s; going on all the same", e)
+            previous, self.phase = self.phase, phase
+            self.events.publish("transition_error", phase=phase.value,
+                                previous=previous.value, turn=self.turn, error=str(e))  # fmt: skip
+            self.events.publish("phase", phase=phase.value, previous=previous.value,
+                                turn=self.turn)  # fmt: skip
+
+    @property
+    def end_timeout(self) -> float:
+        """The most seconds ending a held turn takes (sleep, then RELEASE, each bounded)."""
+        return self.cfg.sleep_timeout + RELEASE_TIMEOUT_S
 
     def subscribe(self) -> Subscription:
         """A new reader of :attr:`events`; its first event, ``subscribed``, holds the
@@ -349,7 +377,7 @@ class TurnLoop:
         n = cur.turn.turn
         if reason == "replica-error" or cur.load_broke:
             self._needs_recover = True  # perhaps a new replica process: first sight again
-        self._enter(Phase.SLEEPING)
+        self._enter_ending(Phase.SLEEPING)
         t0 = time.monotonic()
         try:
             await self.replica.sleep(level=1, mode="abort", timeout=self.cfg.sleep_timeout)
@@ -358,7 +386,7 @@ class TurnLoop:
         except ReplicaError as e:
             log.error("turn %d: sleep failed: %s", n, e)
             self.events.publish("slept", turn=n, duration_s=_since(t0), ok=False, error=str(e))
-        self._enter(Phase.RELEASING)
+        self._enter_ending(Phase.RELEASING)
         released: str | None = "the slicerd connection broke during the turn"
         if self._slicer is slicer:
             try:
@@ -373,4 +401,4 @@ class TurnLoop:
         extra = {} if released is None else {"error": released}
         self.events.publish("released", turn=n, reason=reason, ok=released is None, **extra)
         self._current, self.turn = None, None
-        self._enter(Phase.IDLE)
+        self._enter_ending(Phase.IDLE)

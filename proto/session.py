@@ -1,26 +1,38 @@
 """The client side of one slicerd connection, sans-IO in the manner of h11.
 
-A `ClientSession` never touches a socket. A transport asks it for a request's line,
-writes that line, and feeds it whatever bytes it reads; the session says which request
-each reply answers, what else arrived, and which exception a failure is. The sync and
-trio clients (`gpu_slicer.slicer.client`) are such transports; an asyncio one is as thin.
+A `ClientSession` never touches a socket. A transport asks it for a request's call,
+writes what `data_to_send` returns, and feeds it whatever bytes it reads; the session says
+which request each reply answers, what else arrived, and which exception a failure is. The
+sync and trio clients (`gpu_slicer.slicer.client`) are such transports; an asyncio one is
+as thin.
 
 Theory of operation
 -------------------
 The server answers the requests of one connection in the order they were sent, each with
 exactly one ``OK`` or ``ERR`` line, however long one of them waits (an ACQUIRE). Replies
 are therefore matched to requests by position alone: `send` encodes a request and appends
-its `Call` to a FIFO of pending calls, the transport writes the calls' lines in that same
-order, and each reply completes the oldest pending call. Requests may be pipelined.
+its `Call` to a FIFO of pending calls, `data_to_send` hands out the lines in that same
+order (the transport writes them so, under one writer at a time), and each reply completes
+the oldest pending call. Requests may be pipelined.
 
 ``FAULT``, ``WAITING``, ``PARK`` and ``EVENT`` lines are not replies: they may arrive at
 any moment and are queued, in order, in `events` for whoever reads the connection. A
-``FAULT`` also marks every call pending at that moment: its `Call.result` raises `Faulted`
+``FAULT <w>`` also marks each call pending at that moment whose request names workload
+``w`` (REGISTER, ACQUIRE, RELEASE, PARKED, UNREGISTER): its `Call.result` raises `Faulted`
 once its reply has been read (the reply is consumed first, so the next reply still goes
-to the next call).
+to the next call). A FAULT of another workload, or a request that names none (PING,
+STATUS), is left alone.
 
-A call whose caller stopped waiting (a timeout, a cancellation) stays pending: its reply
-still arrives and is dropped with the call, so the connection stays in step.
+A call whose caller stopped waiting (a timeout, a cancellation) is `Call.abandon`ed: it
+stays pending, its reply still arrives and is dropped with the call, so the connection
+stays in step. One reply is not dropped: the grant of an abandoned ACQUIRE, which the
+daemon counts as a turn this connection holds. The session then owes a ``RELEASE`` of that
+turn (``park=lazy``), handed out by the next `data_to_send`, whose reply is dropped too.
+Until the abandoned ACQUIRE is answered, an ACQUIRE sent meanwhile (and every call after
+it) is held back, out of `data_to_send`: written behind the grant it would be answered
+``ERR busy``; it goes out behind the owed RELEASE. A held call that is abandoned is never
+written. A transport writes `data_to_send` after each call it makes, each `receive_data`
+and each `Call.abandon`.
 
 Failures. ``ERR`` becomes `ClientError` with the wire code, raised by `Call.result`. A
 lost connection (`connection_lost`, `receive_eof`) fails every pending call and every
@@ -34,6 +46,7 @@ refusing the connection, such as ``ERR limit``, and fails it as that `ClientErro
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,16 +95,26 @@ class Turn:
 
 
 class Call(Generic[T]):
-    """One request of a session: write `line`; once `done` (its reply was read, or the
-    connection failed), `result()` is the reply's value or raises."""
+    """One request of a session: `line` is its encoded request (the session hands it out
+    through `data_to_send`); once `done` (its reply was read, or the connection failed),
+    `result()` is the reply's value or raises."""
 
-    def __init__(self, request: Request, line: bytes, convert: Callable[[Ok], T]) -> None:
+    def __init__(
+        self,
+        request: Request,
+        line: bytes,
+        convert: Callable[[Ok], T],
+        session: ClientSession | None = None,
+    ) -> None:
         self.request = request
         self.line = line
         self.reply: Reply | None = None
         self.fault: Fault | None = None  # the first FAULT that arrived while it waited
         self._convert = convert
         self._failure: Failure | None = None
+        self._session = session
+        self._abandoned = False
+        self._delivered = False  # result() was asked: the caller has the outcome
 
     def __repr__(self) -> str:
         return f"<Call {self.line[:60]!r} reply={self.reply!r} fault={self.fault!r}>"
@@ -101,18 +124,47 @@ class Call(Generic[T]):
         """The reply was read, or no reply can come any more."""
         return self.reply is not None or self._failure is not None
 
+    @property
+    def abandoned(self) -> bool:
+        """Its caller stopped waiting (`abandon`)."""
+        return self._abandoned
+
+    def abandon(self) -> None:
+        """The caller stopped waiting for the reply (a timeout, a cancellation). The reply
+        is dropped when it comes; a turn the ACQUIRE was (or is later) granted is released
+        by the session (module docstring): the transport writes `data_to_send` next. A call
+        still held back is never written. No effect once `result` was asked for."""
+        if self._abandoned or self._delivered or self._session is None:
+            return
+        self._abandoned = True
+        self._session._on_abandon(self)
+
+    def granted(self) -> Turn | None:
+        """The turn an ACQUIRE's ``OK`` granted, FAULT or not (a `Faulted` result still
+        leaves that turn held by the connection, to be released); None for any other
+        request or reply, or before the reply."""
+        if not isinstance(self.request, Acquire) or not isinstance(self.reply, Ok):
+            return None
+        try:
+            return _turn(self.request.workload, self.reply)
+        except (KeyError, ValueError):
+            return None
+
     def result(self) -> T:
         """The reply's value (a dict of its fields, a `Turn`, a STATUS body, or None).
 
-        Raises `Faulted` when a FAULT arrived before the reply, `ClientError` on ERR,
-        `Unreachable` when the connection was lost first, `RemoteProtocolError` for a
-        malformed reply, and `ProtocolError` (internal) when the call is not done yet.
+        Raises `Faulted` when a FAULT of the workload the request names arrived before
+        the reply, `ClientError` on ERR, `Unreachable` when the connection was lost first,
+        `RemoteProtocolError` for a malformed reply, and `ProtocolError` (internal) when
+        the call is not done yet.
         """
         if self._failure is not None:
+            self._delivered = True
             raise self._failure()
         reply = self.reply
         if reply is None:
             raise ProtocolError(ErrorCode.INTERNAL, f"{_verb(self.request)}: no reply yet")
+        self._delivered = True
         if self.fault is not None:
             raise Faulted(self.fault, reply)
         if isinstance(reply, Err):
@@ -142,13 +194,28 @@ class ClientSession:
         self.events: deque[ServerMessage] = deque()
         self.on_event: Callable[[ServerMessage], None] | None = None
         self._buffer = LineBuffer(max_line)
-        self._pending: deque[Call[Any]] = deque()
+        self._pending: deque[Call[Any]] = deque()  # in the order their lines go out
+        self._outbox: deque[Call[Any]] = deque()  # pending, line not handed out yet
+        self._held: deque[Call[Any]] = deque()  # behind an abandoned ACQUIRE, not pending
         self._failure: Failure | None = None
 
     @property
     def pending(self) -> int:
-        """How many calls wait for their reply (abandoned ones included)."""
-        return len(self._pending)
+        """How many calls wait for their reply (abandoned and held-back ones included)."""
+        return len(self._pending) + len(self._held)
+
+    @property
+    def has_data_to_send(self) -> bool:
+        """`data_to_send` has lines to hand out."""
+        return bool(self._outbox)
+
+    def data_to_send(self) -> bytes:
+        """The request lines to write now, in order: those of the calls made since the
+        last time, the RELEASE owed for an abandoned ACQUIRE's grant, and calls no longer
+        held back (module docstring). Write them whole, before any line taken later."""
+        data = b"".join(call.line for call in self._outbox)
+        self._outbox.clear()
+        return data
 
     @property
     def failed(self) -> bool:
@@ -230,9 +297,43 @@ class ClientSession:
     def _send(self, request: Request, convert: Callable[[Ok], T]) -> Call[T]:
         if self._failure is not None:
             raise self._failure()
-        call = Call(request, encode(request), convert)
-        self._pending.append(call)
+        call = Call(request, encode(request), convert, self)
+        if self._held or (isinstance(request, Acquire) and self._acquire_abandoned()):
+            self._held.append(call)
+        else:
+            self._queue(call)
         return call
+
+    def _queue(self, call: Call[Any]) -> None:
+        self._pending.append(call)
+        self._outbox.append(call)
+
+    def _acquire_abandoned(self) -> bool:
+        # An abandoned ACQUIRE still to be answered: its grant may come first.
+        return any(c.abandoned and isinstance(c.request, Acquire) for c in self._pending)
+
+    def _on_abandon(self, call: Call[Any]) -> None:
+        if call in self._held:
+            self._held.remove(call)  # never written, so nothing will answer it
+        elif call.done:
+            self._settle(call)
+
+    def _settle(self, call: Call[Any]) -> None:
+        # An abandoned call's outcome is nobody's, except a granted turn: slicerd counts
+        # it as held by this connection, so give it back.
+        turn = call.granted()
+        if turn is not None and self._failure is None:
+            release = Release(turn.workload, turn.turn)
+            owed: Call[Any] = Call(release, encode(release), _fields, self)
+            owed._abandoned = True
+            self._queue(owed)
+
+    def _answered(self, call: Call[Any]) -> None:
+        if call.abandoned:
+            self._settle(call)
+        if self._held and not self._acquire_abandoned():
+            while self._held:
+                self._queue(self._held.popleft())
 
     # -- what arrives ------------------------------------------------------------------
 
@@ -286,14 +387,18 @@ class ClientSession:
             msg = parse_server_line(raw)
         except ProtocolError as exc:
             if _is_reply(raw) and self._pending:
-                text = f"{_verb(self._pending[0].request)}: malformed reply: {exc.message}"
-                self._pending.popleft()._fail(_remote(exc.code, text))
+                call = self._pending.popleft()
+                text = f"{_verb(call.request)}: malformed reply: {exc.message}"
+                call._fail(_remote(exc.code, text))
+                self._answered(call)
             elif _is_reply(raw):
                 self._break(_remote(exc.code, f"a malformed reply to nothing: {exc.message}"))
             raise RemoteProtocolError(exc.code, f"from the server: {exc.message}") from None
         if isinstance(msg, Ok | Err):
             if self._pending:
-                self._pending.popleft().reply = msg
+                call = self._pending.popleft()
+                call.reply = msg
+                self._answered(call)
             elif isinstance(msg, Err):
                 code, text = str(msg.code), msg.text
                 self._break(lambda: ClientError(code, text))
@@ -301,8 +406,8 @@ class ClientSession:
                 self._break(_remote(ErrorCode.INTERNAL, f"a reply that answers no request: {msg}"))
             return
         if isinstance(msg, Fault):
-            for call in self._pending:
-                if call.fault is None:
+            for call in itertools.chain(self._pending, self._held):
+                if call.fault is None and _names(call.request) == msg.workload:
                     call.fault = msg
         self.events.append(msg)
         new.append(msg)
@@ -313,9 +418,11 @@ class ClientSession:
         if self._failure is not None:
             return
         self._failure = failure
-        for call in self._pending:
+        for call in itertools.chain(self._pending, self._held):
             call._fail(failure)
         self._pending.clear()
+        self._held.clear()
+        self._outbox.clear()
 
     def _failure_now(self) -> Exception:
         assert self._failure is not None
@@ -324,6 +431,12 @@ class ClientSession:
 
 def _verb(request: Request) -> str:
     return type(request).__name__.upper()
+
+
+def _names(request: Request) -> str | None:
+    if isinstance(request, Register | Acquire | Release | Parked | Unregister):
+        return request.workload
+    return None
 
 
 def _is_reply(raw: bytes) -> bool:

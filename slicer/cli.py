@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -284,6 +285,8 @@ COMMANDS_GROUP = "gpu_slicer.slicerctl"
 def _add_plugin_commands() -> None:
     for ep in entry_points(group=COMMANDS_GROUP):
         try:
+            if ep.name in main.commands:  # a plugin never replaces a built-in command
+                raise ValueError("a command of that name exists")
             main.add_command(ep.load()(), ep.name)
         except Exception as e:  # a broken plugin must not take the other commands down
             click.echo(f"slicerctl: command {ep.name!r} ({ep.value}) unavailable: {e}", err=True)
@@ -302,24 +305,26 @@ def demo(args: tuple[str, ...]) -> None:
     sys.exit(run_demo(list(args)))
 
 
-# The demo is no part of the product: it is the checkout's top-level `demo` package, run
-# as `python -m demo` by this interpreter in this directory (as `make demo` does).
-DEMO_PROBE = "import importlib.util, sys; sys.exit(importlib.util.find_spec('demo') is None)"
+# The demo is no part of the product: it is the checkout's top-level `demo` package. The
+# checkout is where this file really lives (gpu_slicer/slicer is a link to slicer/); an
+# installed wheel has no demo beside it. The child runs with `-P` and the checkout alone on
+# its path: a `demo` folder in whatever directory slicerctl runs from (perhaps under sudo)
+# is never imported.
+CHECKOUT = Path(__file__).resolve().parent.parent
 DEMO_MISSING = "slicerctl demo: the demo runs from a checkout of gpu-slicer (`make demo` there)"
 
 
 def run_demo(args: list[str]) -> int:
-    """Run `python -m demo ARGS` and return its exit status (128+N when signal N ended
-    it); EX_UNAVAILABLE, with one line on stderr, when `demo` is not importable here."""
-    # Asked of the child's own interpreter and path: ours may differ (console script dir).
-    probe = subprocess.run(
-        [sys.executable, "-c", DEMO_PROBE], stdin=subprocess.DEVNULL, capture_output=True
-    )
-    if probe.returncode != 0:
+    """Run the checkout's demo (`python -m demo ARGS`) and return its exit status (128+N
+    when signal N ended it); EX_UNAVAILABLE, with one line on stderr, without a checkout."""
+    if not (CHECKOUT / "demo" / "__main__.py").is_file():
         click.echo(DEMO_MISSING, err=True)
         return EX_UNAVAILABLE
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT), *([path] if path else [])])}
     out, err = _demo_stream(sys.stdout), _demo_stream(sys.stderr)
-    proc = subprocess.Popen([sys.executable, "-m", "demo", *args], stdout=out, stderr=err)
+    argv = [sys.executable, "-P", "-m", "demo", *args]
+    proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
     with _signals_to(proc):
         got_out, got_err = proc.communicate()
     if got_out:  # our streams had no file descriptor (click's CliRunner): relay

@@ -8,8 +8,9 @@ same signatures and raise alike: `ClientError` on ERR (`code` is the wire code),
 when a FAULT arrived while a request waited (its reply was read first), `Unreachable` when
 the daemon cannot be reached or the connection dropped, `proto.RemoteProtocolError` for a
 daemon that broke the protocol. A `timeout` that passes raises the transport's own error:
-`TimeoutError` (blocking), `trio.TooSlowError` (trio); the request stays pending in the
-session, so the connection stays in step. A trainer needs two lines:
+`TimeoutError` (blocking), `trio.TooSlowError` (trio); the request is abandoned in the
+session (its late reply is dropped, so the connection stays in step, and a turn its ACQUIRE
+was granted meanwhile is released at once: `proto.Call.abandon`). A trainer needs two lines:
 
     s = Slicer.from_env()                 # SLICER_SOCKET / SLICER_WORKLOAD from slicer-launch
     with s.turn():                        # blocks until granted, always releases
@@ -24,6 +25,7 @@ import contextlib
 import math
 import os
 import socket
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
@@ -35,6 +37,7 @@ from gpu_slicer.proto import ClientError, Faulted, Turn, Unreachable
 from gpu_slicer.slicer.config import DEFAULT_SOCKET
 
 __all__ = [
+    "RELEASE_TIMEOUT",
     "REPLY_TIMEOUT",
     "AsyncSlicer",
     "ClientError",
@@ -48,6 +51,12 @@ __all__ = [
 T = TypeVar("T")
 REPLY_TIMEOUT = 30.0
 """Default bound (seconds) on the reply to a request that is answered at once."""
+RELEASE_TIMEOUT = 600.0
+"""Bound (seconds) on the RELEASE at the end of `turn()` (each client's `release_timeout`).
+A RELEASE waits for a park of the workload when the daemon parks it there (``park=now``,
+or a waiter needs the room): with the default limits at most the registrant's answer
+(60 s) then cuda-checkpoint (120 s). Past the bound the daemon is taken as stuck and the
+connection is closed (the daemon then ends the turn, if it still can)."""
 RECV_SIZE = 65536
 WRITE_TIMEOUT = 10.0  # a request line only blocks while the daemon reads nothing
 
@@ -61,7 +70,8 @@ class Slicer:
     """A blocking connection to slicerd, for plain training loops and tools.
 
     `workload` (default $SLICER_WORKLOAD) is the name used when a call is given none;
-    `timeout` bounds the connect and each write.
+    `timeout` bounds the connect and each write; `release_timeout` (`RELEASE_TIMEOUT`)
+    bounds the release at the end of `turn`.
     """
 
     def __init__(
@@ -69,6 +79,7 @@ class Slicer:
     ) -> None:
         self.path = socket_path(path)
         self.timeout = timeout
+        self.release_timeout = RELEASE_TIMEOUT
         self._session = proto.ClientSession(workload or os.environ.get("SLICER_WORKLOAD"))
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
@@ -126,20 +137,37 @@ class Slicer:
         except OSError as e:
             self._session.connection_lost(f"connection lost: {e}")
             return
-        if data:
-            self._session.receive_data(data)
-        else:
+        if not data:
             self._session.receive_eof()
+            return
+        try:
+            self._session.receive_data(data)
+        finally:
+            self._flush()  # what the replies made the session owe (a RELEASE, held calls)
 
-    def _call(self, call: proto.Call[T], timeout: float | None) -> T:
+    def _flush(self) -> None:
+        data = self._session.data_to_send()
+        if not data:
+            return
         self._sock.settimeout(self.timeout)
         try:
-            self._sock.sendall(call.line)
+            self._sock.sendall(data)
         except OSError as e:  # a line cut off leaves the stream unusable
             self._session.connection_lost(f"connection lost: {e}")
             raise Unreachable(f"connection lost: {e}") from e
-        while not call.done:
-            self._read(timeout)
+
+    def _call(self, call: proto.Call[T], timeout: float | None) -> T:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self._flush()
+            while not call.done:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no reply within {timeout:g} s")
+                self._read(left)
+        except BaseException:
+            call.abandon()  # its reply is dropped; a turn it was granted is given back
+            raise
         return call.result()
 
     def next_message(self, timeout: float | None = None) -> proto.ServerMessage:
@@ -193,12 +221,37 @@ class Slicer:
     def turn(
         self, name: str | None = None, wait: float | None = None, park: str = "lazy"
     ) -> Iterator[Turn]:
-        """Hold a turn for the `with` body; released on the way out, exceptions included."""
-        t = self.acquire(name, wait)
+        """Hold a turn for the `with` body; released on the way out, exceptions included.
+
+        The release is bounded by `release_timeout`: past it the connection is closed and,
+        when the body ended normally, `Unreachable` is raised. An ACQUIRE that raises
+        `Faulted` with a granted turn releases that turn before the `Faulted` goes on."""
+        call = self._session.acquire(name, wait)
+        try:
+            t = self._call(call, None)
+        except Faulted:
+            if (granted := call.granted()) is not None:
+                with contextlib.suppress(ClientError, proto.ProtocolError):
+                    self._end_turn(granted, park, loud=False)
+            raise
+        finished = False
         try:
             yield t
+            finished = True
         finally:
-            self.release(t, park)
+            self._end_turn(t, park, loud=finished)
+
+    def _end_turn(self, t: Turn, park: str, loud: bool) -> None:
+        try:
+            self._call(self._session.release(t, park), self.release_timeout)
+        except TimeoutError:
+            self.close()
+            if loud:
+                raise Unreachable(_stuck(self.release_timeout)) from None
+
+
+def _stuck(bound: float) -> str:
+    return f"no reply to RELEASE within {bound:g} s: the connection was closed"
 
 
 def _bound(timeout: float | None) -> contextlib.AbstractContextManager[trio.CancelScope]:
@@ -209,11 +262,13 @@ class AsyncSlicer:
     """A trio connection to slicerd: ``async with await AsyncSlicer.connect(...) as s``.
 
     The same calls as `Slicer`, awaited. Tasks may share one connection: requests are
-    pipelined, and whichever task waits reads for all (one reader at a time, in turn).
+    pipelined, and whichever task waits reads for all (one reader at a time, in turn);
+    `release_timeout` (`RELEASE_TIMEOUT`) bounds the release at the end of `turn`.
     """
 
     def __init__(self, stream: trio.abc.Stream, workload: str | None = None) -> None:
         self._stream = stream
+        self.release_timeout = RELEASE_TIMEOUT
         self._session = proto.ClientSession(workload)
         self._send_lock = trio.Lock()
         self._recv_lock = trio.Lock()
@@ -274,34 +329,58 @@ class AsyncSlicer:
         # One reader at a time; trio.Lock is fair, so a task whose reply another task
         # read gets the lock next, sees `ready` and returns without reading.
         while not ready() and not self._session.failed:
-            async with self._recv_lock:
-                if ready() or self._session.failed:
-                    return
-                try:
-                    data = await self._stream.receive_some(RECV_SIZE)
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                    self._session.connection_lost(f"connection lost: {e}")
-                    return
-                if data:
-                    self._session.receive_data(data)
-                else:
-                    self._session.receive_eof()
+            try:
+                async with self._recv_lock:
+                    if ready() or self._session.failed:
+                        return
+                    try:
+                        data = await self._stream.receive_some(RECV_SIZE)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                        self._session.connection_lost(f"connection lost: {e}")
+                        return
+                    if data:
+                        self._session.receive_data(data)
+                    else:
+                        self._session.receive_eof()
+            finally:
+                # Whoever read a grant nobody waits for writes its RELEASE now (and the
+                # calls held behind it), outside the read lock.
+                await self._flush()
+
+    async def _write(self, data: bytes) -> None:
+        # Under the send lock. Once begun, lines are written whole (shielded, bounded):
+        # a line cut off would garble the next.
+        if not data:
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(WRITE_TIMEOUT) as scope:
+            try:
+                await self._stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                self._session.connection_lost(f"connection lost: {e}")
+        if scope.cancelled_caught:
+            self._session.connection_lost(f"a request line blocked for {WRITE_TIMEOUT:g} s")
+
+    async def _flush(self) -> None:
+        # What the session owes goes out even from a task being cancelled (shielded; the
+        # send lock's holder is bounded by WRITE_TIMEOUT).
+        if not self._session.has_data_to_send:
+            return
+        with trio.CancelScope(shield=True):
+            async with self._send_lock:
+                await self._write(self._session.data_to_send())
 
     async def _call(self, make: Callable[[], proto.Call[T]], timeout: float | None) -> T:
         async with self._send_lock:
-            # Nothing is sent for a caller already cancelled; once begun, a line is
-            # written whole (shielded, bounded): a line cut off would garble the next.
-            await trio.lowlevel.checkpoint_if_cancelled()
+            await trio.lowlevel.checkpoint_if_cancelled()  # nothing sent for a cancelled caller
             call = make()
-            with trio.CancelScope(shield=True), trio.move_on_after(WRITE_TIMEOUT) as scope:
-                try:
-                    await self._stream.send_all(call.line)
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                    self._session.connection_lost(f"connection lost: {e}")
-            if scope.cancelled_caught:
-                self._session.connection_lost(f"a request line blocked for {WRITE_TIMEOUT:g} s")
-        with _bound(timeout):
-            await self._pump(lambda: call.done)
+            await self._write(self._session.data_to_send())
+        try:
+            with _bound(timeout):
+                await self._pump(lambda: call.done)
+        except BaseException:
+            call.abandon()  # its reply is dropped; a turn it was granted is given back
+            await self._flush()
+            raise
         return call.result()
 
     async def next_message(self, timeout: float | None = None) -> proto.ServerMessage:
@@ -357,10 +436,37 @@ class AsyncSlicer:
         self, name: str | None = None, wait: float | None = None, park: str = "lazy"
     ) -> AsyncIterator[Turn]:
         """Hold a turn for the `async with` body; released on the way out, exceptions and
-        cancellation included (the daemon bounds every park, so the release ends)."""
-        t = await self.acquire(name, wait)
+        cancellation included.
+
+        The release is shielded and bounded by `release_timeout`: past it the connection
+        is closed and, when the body ended normally, `Unreachable` is raised. An ACQUIRE
+        that raises `Faulted` with a granted turn releases that turn before the `Faulted`
+        goes on."""
+        made: list[proto.Call[Turn]] = []
+
+        def make() -> proto.Call[Turn]:
+            made.append(self._session.acquire(name, wait))
+            return made[-1]
+
+        try:
+            t = await self._call(make, None)
+        except Faulted:
+            if (granted := made[-1].granted()) is not None:
+                with contextlib.suppress(ClientError, proto.ProtocolError):
+                    await self._end_turn(granted, park, loud=False)
+            raise
+        finished = False
         try:
             yield t
+            finished = True
         finally:
-            with trio.CancelScope(shield=True):
+            await self._end_turn(t, park, loud=finished)
+
+    async def _end_turn(self, t: Turn, park: str, loud: bool) -> None:
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(self.release_timeout) as bound:
                 await self.release(t, park)
+            if bound.cancelled_caught:
+                await self.aclose()
+                if loud:
+                    raise Unreachable(_stuck(self.release_timeout))

@@ -13,6 +13,7 @@ through a workload's word.
 from __future__ import annotations
 
 import importlib
+import re
 import threading
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -102,9 +103,18 @@ def backend_names() -> list[str]:
     return ["nvml", *sorted(found - {"nvml"})]
 
 
+# module:attribute, both non-empty dotted names (no relative import). Loading one runs its
+# module's code as slicerd's user: the config file and the command line are root's alone.
+_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
 def check_backend_name(kind: str) -> None:
     """Raise `GpuBackendError` unless `kind` names a backend `open_backend` can try."""
-    if kind == "nvml" or ":" in kind or kind in backend_names():
+    if ":" in kind:
+        if _TARGET.fullmatch(kind):
+            return
+        raise GpuBackendError(f"gpu backend {kind!r} is not module:attribute")
+    if kind == "nvml" or kind in backend_names():
         return
     raise GpuBackendError(
         f"unknown gpu backend {kind!r}: one of {', '.join(backend_names())}, or module:attribute"
@@ -117,16 +127,21 @@ def check_backend_name(kind: str) -> None:
 
 
 def _load_plugin(kind: str) -> Any:
+    check_backend_name(kind)
+    # Whatever a plugin's import raises is one line naming it, never a traceback.
     if ":" in kind:
         module, _, attr = kind.partition(":")
         try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
+            found: Any = importlib.import_module(module)
+            for part in attr.split("."):
+                found = getattr(found, part)
+            return found
+        except Exception as e:
             raise GpuBackendError(f"gpu backend {kind!r} cannot be loaded: {e}") from e
     for ep in entry_points(group=ENTRY_POINT_GROUP, name=kind):
         try:
             return ep.load()
-        except (ImportError, AttributeError) as e:
+        except Exception as e:
             raise GpuBackendError(f"gpu backend {kind!r} ({ep.value}) cannot be loaded: {e}") from e
     check_backend_name(kind)
     raise GpuBackendError(f"unknown gpu backend {kind!r}")  # pragma: no cover - checked above

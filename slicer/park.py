@@ -152,7 +152,13 @@ class CheckpointParker:
         res = await self.runner.run([self.path, "--help"], timeout)
         if res is None:
             return "cuda-checkpoint --help did not answer"
-        self.has_action = "--action" in res.stdout + res.stderr
+        text = res.stdout + res.stderr
+        # Every driver's help names --toggle; output without it is a tool that cannot run
+        # at all (a broken install): say so, never "lacks --action", and keep --action.
+        if res.returncode != 0 and "--toggle" not in text:
+            first = text.strip().splitlines()[:1]
+            return f"cuda-checkpoint --help failed (exit {res.returncode}): {' '.join(first)}"
+        self.has_action = "--action" in text
         return "" if self.has_action else "driver lacks --action: using --toggle"
 
     async def park(self, pids: list[int], timeout: float) -> Outcome:

@@ -604,16 +604,33 @@ def test_integration_demo_passes_its_arguments_through() -> None:
 
 
 @pytest.mark.integration
-def test_demo_outside_a_checkout_says_where_it_runs(tmp_path: Path) -> None:
-    # The demo is the checkout's `demo` package, not the product's: elsewhere one line, 69.
+def test_demo_runs_the_checkouts_demo_never_one_in_the_cwd(tmp_path: Path) -> None:
+    # A `demo` package where an operator happens to stand must not run (slicerctl may run
+    # under sudo); the checkout's demo answers instead. (Without a checkout: test_wheel.)
+    hostile = tmp_path / "demo"
+    hostile.mkdir()
+    (hostile / "__init__.py").write_text("")
+    (hostile / "__main__.py").write_text("open('ran', 'w').write('x')\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     argv = [sys.executable, "-c", "from gpu_slicer.slicer.cli import main; main()", "demo"]
     proc = subprocess.run(
-        [*argv, "--", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30
+        [*argv, "--", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
     )
-    assert proc.returncode == 69, proc.stderr
-    assert proc.stdout == ""
-    assert proc.stderr.splitlines() == [
-        "slicerctl demo: the demo runs from a checkout of gpu-slicer (`make demo` there)"
-    ]
-    assert list(tmp_path.iterdir()) == []  # nothing was started or written
+    assert proc.returncode == 0, proc.stderr
+    assert "--mode" in proc.stdout  # the real demo's options
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_plugin_command_never_replaces_a_built_in_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from importlib.metadata import EntryPoint
+
+    from gpu_slicer.slicer import cli
+
+    status = cli.main.commands["status"]
+    hostile = EntryPoint("status", "gpu_slicer.launcher.main:slicerctl_run", cli.COMMANDS_GROUP)
+    monkeypatch.setattr(cli, "entry_points", lambda group: [hostile])
+    cli._add_plugin_commands()
+    assert cli.main.commands["status"] is status
+    assert "command 'status'" in capsys.readouterr().err

@@ -4,11 +4,14 @@ streams, with the same calls and the same exceptions."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import socket
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import trio
@@ -16,12 +19,22 @@ import trio.testing
 
 from gpu_slicer import proto
 from gpu_slicer.slicer.client import AsyncSlicer, ClientError, Faulted, Slicer, Turn, Unreachable
+from tests.harness import running_stack
+
+T = TypeVar("T")
 
 
 @pytest.fixture
 def scripted() -> Iterator[tuple[str, list[bytes]]]:
     """A one-connection Unix server that answers each request line with the next script
     entry; returns its path and the script list to fill."""
+    with script_server([]) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def script_server(seen: list[bytes]) -> Iterator[tuple[str, list[bytes]]]:
+    """The `scripted` server; each request line it reads is appended to `seen`."""
     path = str(Path(tempfile.mkdtemp()) / "s.sock")
     script: list[bytes] = []
     srv = socket.socket(socket.AF_UNIX)
@@ -32,8 +45,9 @@ def scripted() -> Iterator[tuple[str, list[bytes]]]:
         conn, _ = srv.accept()
         with conn, conn.makefile("rb") as f:
             for answer in script:
-                if not f.readline():
+                if not (line := f.readline()):
                     return
+                seen.append(line)
                 conn.sendall(answer)
 
     t = threading.Thread(target=serve, daemon=True)
@@ -91,14 +105,21 @@ FAULT_SCRIPT = [
 ]
 
 
-async def scripted_peer(stream: trio.abc.Stream, script: list[bytes], delay: float = 0) -> None:
+async def scripted_peer(
+    stream: trio.abc.Stream,
+    script: list[bytes],
+    delay: float = 0,
+    seen: list[bytes] | None = None,
+) -> None:
     """Answer each request line read from `stream` with the next script entry (after
-    `delay` virtual seconds)."""
+    `delay` virtual seconds); each line read is appended to `seen`."""
     buf = proto.LineBuffer()
     for answer in script:
         while not (lines := buf.feed(await stream.receive_some())):
             pass
         assert len(lines) == 1, lines
+        if seen is not None:
+            seen += lines
         await trio.sleep(delay)
         await stream.send_all(answer)
 
@@ -172,3 +193,204 @@ async def test_async_lost_connection_is_unreachable() -> None:
                 await s.status()
             with pytest.raises(Unreachable):
                 await s.next_message()
+
+
+# ---- a turn nobody waits for any more is given back --------------------------------
+
+GRANT4 = b"OK turn=4 restored=0 waited_ms=0\n"
+RELEASED = b"OK parked=0 park_ms=0\n"
+
+
+async def read_lines(stream: trio.abc.Stream, buf: proto.LineBuffer, n: int = 1) -> list[bytes]:
+    """At least `n` request lines from `stream`."""
+    lines: list[bytes] = []
+    while len(lines) < n:
+        lines += buf.feed(await stream.receive_some())
+    return lines
+
+
+def test_sync_timed_out_acquire_s_late_grant_is_released_at_the_next_io() -> None:
+    seen: list[bytes] = []
+    with script_server(seen) as (path, script):
+        script += [b"", GRANT4 + b"OK\n", RELEASED, b"OK\n"]
+        with Slicer(path, "w", timeout=5) as s:
+            with pytest.raises(TimeoutError):
+                s.request(proto.Acquire("w"), timeout=0.05)
+            s.ping()  # reads the late grant, then its own OK; the RELEASE goes out
+            s.ping()  # its own OK, not the RELEASE's
+            assert not s.events
+    assert seen == [b"ACQUIRE w\n", b"PING\n", b"RELEASE w turn=4\n", b"PING\n"]
+
+
+async def test_a_cancelled_acquire_s_late_grant_is_released_by_the_reader(
+    autojump_clock: object,
+) -> None:
+    with trio.fail_after(600):
+        ours, theirs = trio.testing.memory_stream_pair()
+        buf = proto.LineBuffer()
+        async with AsyncSlicer(ours, "w") as s, trio.open_nursery() as n:
+            with trio.move_on_after(1):
+                await s.acquire()
+            assert await read_lines(theirs, buf) == [b"ACQUIRE w"]
+            got: list[proto.ServerMessage] = []
+
+            async def reader() -> None:
+                while True:
+                    got.append(await s.next_message())
+
+            n.start_soon(reader)
+            await theirs.send_all(GRANT4)
+            # The reader task wrote it, with no call of ours in flight.
+            assert await read_lines(theirs, buf) == [b"RELEASE w turn=4"]
+            await theirs.send_all(RELEASED)
+            n.start_soon(scripted_peer, theirs, [b"OK\n"])
+            await s.ping()  # its own OK, not the RELEASE's
+            assert got == []
+            n.cancel_scope.cancel()
+
+
+async def test_an_acquire_behind_a_cancelled_one_goes_out_behind_its_release(
+    autojump_clock: object,
+) -> None:
+    """Written before the late grant, the second ACQUIRE would be answered ERR busy."""
+    with trio.fail_after(600):
+        ours, theirs = trio.testing.memory_stream_pair()
+        buf = proto.LineBuffer()
+        got: list[Turn] = []
+        async with AsyncSlicer(ours, "w") as s, trio.open_nursery() as n:
+            with trio.move_on_after(1):
+                await s.acquire()
+            assert await read_lines(theirs, buf) == [b"ACQUIRE w"]
+
+            async def again() -> None:
+                got.append(await s.acquire(wait=5.0))
+
+            n.start_soon(again)
+            await trio.testing.wait_all_tasks_blocked()
+            await theirs.send_all(GRANT4)
+            lines = await read_lines(theirs, buf, 2)
+            assert lines == [b"RELEASE w turn=4", b"ACQUIRE w wait=5.0"]
+            await theirs.send_all(RELEASED + b"OK turn=5 restored=1 waited_ms=3\n")
+        assert got == [Turn("w", 5, True, 3)]
+
+
+def test_sync_turn_of_b_is_not_faulted_by_a_fault_of_a() -> None:
+    seen: list[bytes] = []
+    with script_server(seen) as (path, script):
+        script += [b"FAULT a turn=3 reason=restore-failed\nOK turn=7 restored=0 waited_ms=0\n"]
+        script += [RELEASED]
+        with Slicer(path, "a", timeout=5) as s:
+            with s.turn("b") as t:
+                assert t == Turn("b", 7, False, 0)
+            assert [m.workload for m in s.events if isinstance(m, proto.Fault)] == ["a"]
+    assert seen == [b"ACQUIRE b\n", b"RELEASE b turn=7\n"]
+
+
+FAULTED_GRANT = b"FAULT w turn=3 reason=x\n" + GRANT4
+
+
+def test_sync_turn_releases_a_grant_that_came_with_a_fault() -> None:
+    seen: list[bytes] = []
+    with script_server(seen) as (path, script):
+        script += [FAULTED_GRANT, RELEASED, b"OK\n"]
+        with Slicer(path, "w", timeout=5) as s:
+            with pytest.raises(Faulted), s.turn():
+                pytest.fail("the body of a faulted turn never runs")
+            s.ping()  # in step: the RELEASE's reply was its own
+    assert seen == [b"ACQUIRE w\n", b"RELEASE w turn=4\n", b"PING\n"]
+
+
+async def test_async_turn_releases_a_grant_that_came_with_a_fault() -> None:
+    with trio.fail_after(5):
+        ours, theirs = trio.testing.memory_stream_pair()
+        seen: list[bytes] = []
+        async with trio.open_nursery() as n, AsyncSlicer(ours, "w") as s:
+            n.start_soon(scripted_peer, theirs, [FAULTED_GRANT, RELEASED, b"OK\n"], 0, seen)
+            with pytest.raises(Faulted):
+                async with s.turn():
+                    pytest.fail("the body of a faulted turn never runs")
+            await s.ping()
+        assert seen == [b"ACQUIRE w", b"RELEASE w turn=4", b"PING"]
+
+
+class Boom(Exception):
+    """Raised inside a turn."""
+
+
+async def test_async_turn_release_that_never_ends_closes_the_connection(
+    autojump_clock: object,
+) -> None:
+    with trio.fail_after(600):
+        ours, theirs = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as n, AsyncSlicer(ours, "w") as s:
+            n.start_soon(scripted_peer, theirs, [GRANT4, b"", GRANT4, b""])
+            s.release_timeout = 30
+            start = trio.current_time()
+            with pytest.raises(Unreachable) as e:
+                async with s.turn():
+                    pass
+            assert "RELEASE" in e.value.text and trio.current_time() - start >= 30
+            with pytest.raises(Unreachable):
+                await s.ping()
+            n.cancel_scope.cancel()
+        ours, theirs = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as n, AsyncSlicer(ours, "w") as s:
+            n.start_soon(scripted_peer, theirs, [GRANT4, b""])
+            s.release_timeout = 30
+            with pytest.raises(Boom):  # the body's exception goes on
+                async with s.turn():
+                    raise Boom
+            with pytest.raises(Unreachable):
+                await s.ping()
+            n.cancel_scope.cancel()
+
+
+def test_sync_turn_release_that_never_ends_closes_the_connection() -> None:
+    with script_server([]) as (path, script):
+        script += [GRANT4, b"", b""]  # the RELEASE gets no answer; the socket stays open
+        with Slicer(path, "w", timeout=5) as s:
+            s.release_timeout = 0.05
+            with pytest.raises(Unreachable) as e, s.turn():
+                pass
+            assert "RELEASE" in e.value.text
+            with pytest.raises(Unreachable):
+                s.ping()
+
+
+# ---- against the real daemon -------------------------------------------------------
+
+
+def _holder(st: dict[str, Any]) -> dict[str, Any] | None:
+    h = st["gpus"][0]["holder"]
+    return h if isinstance(h, dict) else None
+
+
+@pytest.mark.integration
+async def test_a_timed_out_acquire_does_not_leave_its_client_busy() -> None:
+    """The blocking client's ACQUIRE times out while another workload holds the GPU; the
+    daemon grants it once the holder releases; the same client's next ACQUIRE is granted
+    (the late turn was given back), not refused ERR busy."""
+
+    def run(fn: Callable[..., T], *args: Any, **kw: Any) -> Awaitable[T]:
+        return trio.to_thread.run_sync(functools.partial(fn, *args, **kw), abandon_on_cancel=True)
+
+    with trio.fail_after(60):
+        async with running_stack() as stack, await stack.client() as h:
+            await h.register("h", pid=stack.sleeper(), park="cooperative")
+            c = await run(Slicer, stack.socket, "c", 10.0)
+            try:
+                await run(c.register, pid=stack.sleeper(), park="cooperative")
+                held = await h.acquire(wait=20.0)
+                with pytest.raises(TimeoutError):
+                    await run(c.request, proto.Acquire("c"), timeout=0.2)
+                await stack.until(lambda st: st["gpus"][0]["queue"] == ["c"])
+                await h.release(held)
+                st = await stack.until(lambda st: (_holder(st) or {}).get("workload") == "c")
+                late = _holder(st)["turn"]  # type: ignore[index]  # held by nobody who knows
+                t = await run(c.acquire, wait=20.0)
+                assert t.workload == "c" and t.turn > late
+                assert _holder(await stack.status()) == {"workload": "c", "turn": t.turn}
+                await run(c.release, t)
+            finally:
+                c.close()
+            assert stack.overlaps() == 0

@@ -2,12 +2,14 @@
 
 In-process: the real HTTP front (hypercorn) over a turn loop that is never run, for the
 stream's framing, its `closed` end and a slow reader's `dropped` end. End to end: a real
-dispatcher in a real stack serves one request, and its stream tells the whole turn.
+dispatcher in a real stack serves one request, and its stream tells the whole turn; one
+stopped mid-turn still tells the turn's end before its front closes.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -191,3 +193,66 @@ async def test_a_turn_as_the_event_stream_tells_it() -> None:
     assert by["committed"]["id"] == r.headers["x-sample-id"]
     assert (by["committed"]["commits"], by["committed"]["pending"]) == (1, 0)
     assert by["slept"]["ok"] and by["released"]["ok"] and by["released"]["reason"] == "idle"
+
+
+# The end of a turn cut short by SIGTERM, as the stream tells it (after the last `serving`).
+STOPPED_MID_TURN = [
+    ("phase", "sleeping"), ("slept", None), ("phase", "releasing"), ("released", None),
+    ("phase", "idle"), ("closed", None),
+]  # fmt: skip
+SLOW_SLEEP_S = 3.0  # longer than hypercorn's default 2 s for open connections at a stop
+
+
+@pytest.mark.integration
+async def test_sigterm_mid_turn_tells_the_turns_end_before_the_front_closes() -> None:
+    """SIGTERM while a send is in flight and vLLM takes 3 s to sleep: the stream still
+    gets slept, released and closed (it is not cut when the front stops), the dispatcher
+    exits 0, and a request that arrives during the stop is never taken."""
+    with trio.fail_after(60):
+        async with running_stack() as stack, replica(stack) as (_, url):
+            fault = httpx.AsyncClient(base_url=url, timeout=10)
+            async with fault, dispatcher(stack, url) as (d, http):
+                events: list[dict[str, Any]] = []
+                serving, sleeping = trio.Event(), trio.Event()
+                late: list[BaseException] = []
+
+                def on_event(e: dict[str, Any]) -> None:
+                    events.append(e)
+                    if e["event"] == "serving":
+                        serving.set()
+                    if (e["event"], e.get("phase")) == ("phase", "sleeping"):
+                        sleeping.set()
+
+                async def late_request() -> None:
+                    async with httpx.AsyncClient(base_url=http.base_url, timeout=30) as c:
+                        try:
+                            r = await c.post("/v1/samples", json={"prompt": "late"})
+                        except httpx.TransportError as e:
+                            late.append(e)
+                        else:
+                            raise AssertionError(f"taken during the stop: {r.status_code}")
+
+                async with trio.open_nursery() as nursery:
+                    # follow_events raises if its stream is cut before its last line.
+                    await nursery.start(follow_events, str(http.base_url), on_event)
+                    await publish(stack, http, "r1")
+                    r = await fault.post(
+                        "/_stub/fault", json={"hang_requests": True, "sleep_seconds": SLOW_SLEEP_S}
+                    )
+                    assert r.json()["sleep_seconds"] == SLOW_SLEEP_S, r.text
+                    r = await http.post("/v1/samples", json={"prompt": "held", "max_tokens": 4})
+                    assert r.status_code == 202, r.text
+                    await serving.wait()
+                    d.proc.send_signal(signal.SIGTERM)
+                    await sleeping.wait()  # the front has stopped accepting by now
+                    nursery.start_soon(late_request)
+                assert await d.wait() == 0, d.output()
+                await fault.post("/_stub/fault", json={"hang_requests": False, "sleep_seconds": 0})
+            assert stack.overlaps() == 0
+    last_serving = max(i for i, e in enumerate(events) if e["event"] == "serving")
+    tail = [(e["event"], e.get("phase")) for e in events[last_serving + 1 :]]
+    assert tail == STOPPED_MID_TURN, events
+    by = {e["event"]: e for e in events}
+    assert by["slept"]["ok"] and by["slept"]["duration_s"] >= SLOW_SLEEP_S
+    assert by["released"]["ok"] and by["released"]["turn"] == by["granted"]["turn"]
+    assert len(late) == 1

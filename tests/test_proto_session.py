@@ -55,6 +55,18 @@ def status(s: ClientSession) -> Call[Any]:
     return s.status()
 
 
+def acquire_b(s: ClientSession) -> Call[Any]:
+    return s.acquire("b")
+
+
+def parked(s: ClientSession) -> Call[Any]:
+    return s.parked("w", 1)
+
+
+def unregister(s: ClientSession) -> Call[Any]:
+    return s.unregister("w")
+
+
 def register(s: ClientSession) -> Call[Any]:
     return s.register("w", pid=42, park="cooperative", parked_max="4GiB")
 
@@ -107,11 +119,23 @@ CASES = [
         events=[Fault("w", 1, "lock-failed")],
     ),
     Case(
-        "a FAULT marks every call still pending when it arrives",
-        [acquire, ping, ping],
-        b"OK turn=1 restored=0 waited_ms=0\nFAULT w turn=1 reason=x\nOK\nOK\n",
-        [W1, Raises(Faulted, "fault"), Raises(Faulted, "fault")],
+        "a FAULT marks every call of its workload still pending when it arrives",
+        [acquire, release, parked, unregister, ping],
+        b"OK turn=1 restored=0 waited_ms=0\nFAULT w turn=1 reason=x\nOK\nOK\nOK\nOK\n",
+        [W1, Raises(Faulted, "fault"), Raises(Faulted, "fault"), Raises(Faulted, "fault"), None],
         events=[Fault("w", 1, "x")],
+    ),
+    Case(
+        "a FAULT of another workload leaves this one's grant alone",
+        [acquire_b, register, status],
+        b"FAULT a turn=3 reason=restore-failed\nOK turn=7 restored=0 waited_ms=5\n"
+        b'OK workload=w gpu=0 state=registered\nOK {"gpus":[]}\n',
+        [
+            Turn("b", 7, False, 5),
+            {"workload": "w", "gpu": "0", "state": "registered"},
+            {"gpus": []},
+        ],
+        events=[Fault("a", 3, "restore-failed")],
     ),
     Case(
         "PARK ask and EVENT lines are queued, replies are not",
@@ -318,3 +342,232 @@ def test_faulted_keeps_the_fault_and_the_reply() -> None:
     later = s.ping()  # the OK was consumed with the FAULT: the next reply is the PING's
     s.receive_data(b"OK\n")
     assert later.result() is None and not later.fault
+
+
+# ---- abandoned calls: a late grant is given back ------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    """Make a call (it gets the next index)."""
+
+    make: Callable[[ClientSession], Call[Any]]
+
+
+@dataclass(frozen=True)
+class Abandon:
+    """The caller of call `index` stops waiting."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Bytes from the server."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Wrote:
+    """What `data_to_send` hands out now."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The connection drops."""
+
+
+Step = Send | Abandon | Feed | Wrote | Lost
+GRANT5 = b"OK turn=5 restored=0 waited_ms=900\n"
+RELEASED = b"OK parked=0 park_ms=0\n"
+
+
+@dataclass
+class Script:
+    id: str
+    steps: list[Step]
+    results: dict[int, object] = field(default_factory=dict)  # index -> value or Raises
+    events: list[object] = field(default_factory=list)
+
+
+SCRIPTS = [
+    Script(
+        "an abandoned ACQUIRE's late grant is released, and that reply dropped",
+        [
+            Send(acquire),
+            Wrote(b"ACQUIRE w\n"),
+            Abandon(0),
+            Feed(GRANT5),
+            Wrote(b"RELEASE w turn=5\n"),
+            Feed(RELEASED),
+            Wrote(b""),
+        ],
+    ),
+    Script(
+        "so is the grant of an ACQUIRE sent as a plain request",
+        [
+            Send(lambda s: s.send(proto.Acquire("w", 2.0))),
+            Wrote(b"ACQUIRE w wait=2.0\n"),
+            Abandon(0),
+            Feed(GRANT5),
+            Wrote(b"RELEASE w turn=5\n"),
+            Feed(RELEASED),
+        ],
+    ),
+    Script(
+        "a grant read before its caller gave up is released when it does",
+        [
+            Send(acquire),
+            Wrote(b"ACQUIRE w\n"),
+            Feed(GRANT5),
+            Abandon(0),
+            Wrote(b"RELEASE w turn=5\n"),
+            Feed(RELEASED),
+            Wrote(b""),
+        ],
+    ),
+    Script(
+        "an abandoned ACQUIRE's ERR is dropped and nothing is owed",
+        [Send(acquire), Wrote(b"ACQUIRE w\n"), Abandon(0), Feed(b"ERR timeout\n"), Wrote(b"")],
+    ),
+    Script(
+        "a grant with a FAULT is released too; the RELEASE's ERR is dropped",
+        [
+            Send(acquire),
+            Wrote(b"ACQUIRE w\n"),
+            Abandon(0),
+            Feed(b"FAULT w turn=4 reason=x\n" + GRANT5),
+            Wrote(b"RELEASE w turn=5\n"),
+            Feed(b"ERR not-holder\n"),
+            Wrote(b""),
+        ],
+        events=[Fault("w", 4, "x")],
+    ),
+    Script(
+        "an ACQUIRE behind an abandoned one waits, then goes out behind the RELEASE",
+        [
+            Send(acquire),
+            Wrote(b"ACQUIRE w\n"),
+            Abandon(0),
+            Send(acquire),
+            Send(ping),
+            Wrote(b""),
+            Feed(GRANT5),
+            Wrote(b"RELEASE w turn=5\nACQUIRE w\nPING\n"),
+            Feed(RELEASED + b"OK turn=6 restored=0 waited_ms=0\nOK\n"),
+            Wrote(b""),
+        ],
+        results={1: Turn("w", 6, False, 0), 2: None},
+    ),
+    Script(
+        "behind a refused abandoned ACQUIRE the held one goes out alone",
+        [
+            Send(acquire),
+            Wrote(b"ACQUIRE w\n"),
+            Abandon(0),
+            Send(acquire),
+            Wrote(b""),
+            Feed(b"ERR timeout\n"),
+            Wrote(b"ACQUIRE w\n"),
+            Feed(GRANT5),
+        ],
+        results={1: Turn("w", 5, False, 900)},
+    ),
+    Script(
+        "a request other than ACQUIRE is not held back",
+        [
+            Send(acquire),
+            Wrote(b"ACQUIRE w\n"),
+            Abandon(0),
+            Send(ping),
+            Wrote(b"PING\n"),
+            Feed(GRANT5 + b"OK\n"),
+            Wrote(b"RELEASE w turn=5\n"),
+            Feed(RELEASED),
+        ],
+        results={1: None},
+    ),
+    Script(
+        "a held call that is abandoned is never written",
+        [
+            Send(acquire),
+            Wrote(b"ACQUIRE w\n"),
+            Abandon(0),
+            Send(acquire),
+            Abandon(1),
+            Feed(b"ERR timeout\n"),
+            Wrote(b""),
+        ],
+    ),
+    Script(
+        "a FAULT marks a held call of its workload",
+        [
+            Send(acquire),
+            Wrote(b"ACQUIRE w\n"),
+            Abandon(0),
+            Send(acquire),
+            Feed(b"FAULT w turn=0 reason=x\nERR timeout\n"),
+            Wrote(b"ACQUIRE w\n"),
+            Feed(b"ERR faulted\n"),
+        ],
+        results={1: Raises(Faulted, "faulted")},
+        events=[Fault("w", 0, "x")],
+    ),
+    Script(
+        "a lost connection fails held calls and owes nothing",
+        [Send(acquire), Wrote(b"ACQUIRE w\n"), Abandon(0), Send(acquire), Lost(), Wrote(b"")],
+        results={1: Raises(Unreachable, "unreachable")},
+    ),
+]
+
+
+@pytest.mark.parametrize("split", ["whole", "bytes"])
+@pytest.mark.parametrize("script", SCRIPTS, ids=[c.id for c in SCRIPTS])
+def test_abandoned_calls(script: Script, split: str) -> None:
+    s = ClientSession()
+    calls: list[Call[Any]] = []
+    for step in script.steps:
+        match step:
+            case Send(make):
+                calls.append(make(s))
+            case Abandon(index):
+                calls[index].abandon()
+                assert calls[index].abandoned
+            case Feed(data):
+                for chunk in _chunks(data, split):
+                    s.receive_data(chunk)
+            case Wrote(data):
+                assert s.has_data_to_send == bool(data)
+                assert s.data_to_send() == data
+            case Lost():
+                s.connection_lost("gone")
+    for index, outcome in script.results.items():
+        assert calls[index].done
+        _check(outcome, calls[index].result)
+    assert list(s.events) == script.events
+    assert s.pending == 0 and not s.has_data_to_send
+
+
+def test_abandoning_after_the_result_was_taken_owes_nothing() -> None:
+    s = ClientSession()
+    call = s.acquire("w")
+    s.receive_data(GRANT5)
+    assert call.result() == Turn("w", 5, False, 900)
+    call.abandon()  # the caller has its turn: releasing it is the caller's business
+    assert not call.abandoned and s.data_to_send() == b"ACQUIRE w\n"
+
+
+def test_a_faulted_acquire_still_tells_its_granted_turn() -> None:
+    s = ClientSession()
+    call, ping_ = s.acquire("w"), s.ping()
+    s.receive_data(b"FAULT w turn=1 reason=x\n" + GRANT5 + b"OK\n")
+    with pytest.raises(Faulted):
+        call.result()
+    assert call.granted() == Turn("w", 5, False, 900)  # for the caller to release
+    assert ping_.granted() is None and ping_.result() is None
+    refused = s.acquire("w")
+    s.receive_data(b"ERR busy\n")
+    assert refused.granted() is None

@@ -97,3 +97,14 @@ def test_the_fake_gpu_is_not_in_the_product(env: Path, tmp_path: Path) -> None:
     assert r.returncode != 0
     assert "unknown gpu backend 'fake'" in r.stderr and "stubs" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_demo_is_not_in_the_product(env: Path, tmp_path: Path) -> None:
+    """Installed from the wheel, `slicerctl demo` is one line saying where the demo runs."""
+    r = _run([str(env / "slicerctl"), "demo", "--", "--json"], cwd=tmp_path, timeout=30)
+    assert r.returncode == 69, r.stderr
+    assert r.stdout == ""
+    assert r.stderr.splitlines() == [
+        "slicerctl demo: the demo runs from a checkout of gpu-slicer (`make demo` there)"
+    ]
+    assert list(tmp_path.iterdir()) == []  # nothing was started or written

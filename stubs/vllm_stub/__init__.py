@@ -23,10 +23,12 @@ Stub-only additions
 - Flags ``--weights-bytes``, ``--context-bytes``, ``--tokens-per-s``, ``--boot-delay``,
   ``--reload-seconds``, ``--fake-workload``, ``--fail-reload``, ``--hang-requests``.
 - ``POST /_stub/fault`` ``{"hang_requests": bool, "crash": bool, "fail_reload": bool,
-  "hang_sleep": bool, "hang_wake": bool}`` (always registered): ``crash`` SIGKILLs the
-  engine core; the server then answers 503 on /health for ~0.5 s and exits 0 (as vLLM
-  0.32 does when its engine dies). ``hang_sleep``/``hang_wake`` hold every /sleep or
-  /wake_up before it acts until cleared (a call left in flight by a dying caller).
+  "hang_sleep": bool, "hang_wake": bool, "sleep_seconds": float}`` (always registered):
+  ``crash`` SIGKILLs the engine core; the server then answers 503 on /health for ~0.5 s
+  and exits 0 (as vLLM 0.32 does when its engine dies). ``hang_sleep``/``hang_wake``
+  hold every /sleep or /wake_up before it acts until cleared (a call left in flight by a
+  dying caller). ``sleep_seconds`` makes every later /sleep take that much longer (a
+  slow offload; 0 ends it).
 - Generated text is a deterministic function of (prompt token ids, weights identity,
   seed, choice index): a word list picked by hash. The weight_version label is not the
   content and does not change it (as in vLLM). The weights

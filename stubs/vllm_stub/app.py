@@ -333,6 +333,11 @@ def build_app(engine: Engine, cfg: AppConfig) -> Starlette:
             if key in body:
                 setattr(engine, key, bool(body[key]))
                 engine._notify()
+        if "sleep_seconds" in body:
+            seconds = body["sleep_seconds"]
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
+                raise EngineError(f"sleep_seconds must be a number >= 0, got {seconds!r}", 400)
+            engine.sleep_seconds = float(seconds)
         log(f"fault {json.dumps(body, sort_keys=True)}")
         if body.get("crash"):
             engine.core.kill()
@@ -342,6 +347,7 @@ def build_app(engine: Engine, cfg: AppConfig) -> Starlette:
                 "fail_reload": engine.fail_reload,
                 "hang_sleep": engine.hang_sleep,
                 "hang_wake": engine.hang_wake,
+                "sleep_seconds": engine.sleep_seconds,
             }
         )
 

@@ -131,6 +131,7 @@ class Engine:
         # dying caller leaves behind), until cleared.
         self.hang_sleep = False
         self.hang_wake = False
+        self.sleep_seconds = 0.0  # stub fault: each /sleep takes this much longer
         self.weight_version = "default"
         self.update_open = False
         self.sleep_level: int | None = None  # None: awake
@@ -253,6 +254,8 @@ class Engine:
                 self.sleeping_in_progress = True
                 if level > 0:
                     await self._core("sleep", level=level)
+                if self.sleep_seconds:
+                    await trio.sleep(self.sleep_seconds)  # a slow offload (fault)
             finally:
                 self.sleeping_in_progress = False
                 self.paused = prev
