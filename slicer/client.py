@@ -17,24 +17,32 @@ was granted meanwhile is released at once: `proto.Call.abandon`). A trainer need
         train_step()
 
 and a trio program ``async with await AsyncSlicer.connect() as s, s.turn(): ...``.
+
+This module is where both are imported from: `Slicer` lives here, `AsyncSlicer` in
+`client_trio`, and what they share (`socket_path`, the timeouts) in `client_common`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
-
-import trio
 
 from gpu_slicer import proto
 from gpu_slicer.proto import ClientError, Faulted, Turn, Unreachable
-from gpu_slicer.slicer.config import DEFAULT_SOCKET
+from gpu_slicer.slicer.client_common import (
+    RECV_SIZE,
+    RELEASE_TIMEOUT,
+    REPLY_TIMEOUT,
+    release_stuck,
+    socket_path,
+)
+from gpu_slicer.slicer.client_trio import WRITE_TIMEOUT as WRITE_TIMEOUT
+from gpu_slicer.slicer.client_trio import AsyncSlicer
 
 __all__ = [
     "RELEASE_TIMEOUT",
@@ -49,21 +57,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-REPLY_TIMEOUT = 30.0
-"""Default bound (seconds) on the reply to a request that is answered at once."""
-RELEASE_TIMEOUT = 600.0
-"""Bound (seconds) on the RELEASE at the end of `turn()` (each client's `release_timeout`).
-A RELEASE waits for a park of the workload when the daemon parks it there (``park=now``,
-or a waiter needs the room): with the default limits at most the registrant's answer
-(60 s) then cuda-checkpoint (120 s). Past the bound the daemon is taken as stuck and the
-connection is closed (the daemon then ends the turn, if it still can)."""
-RECV_SIZE = 65536
-WRITE_TIMEOUT = 10.0  # a request line only blocks while the daemon reads nothing
-
-
-def socket_path(path: str | None = None) -> str:
-    """The socket to use: explicit, else $SLICER_SOCKET, else the system default."""
-    return path or os.environ.get("SLICER_SOCKET") or DEFAULT_SOCKET
 
 
 class Slicer:
@@ -247,226 +240,4 @@ class Slicer:
         except TimeoutError:
             self.close()
             if loud:
-                raise Unreachable(_stuck(self.release_timeout)) from None
-
-
-def _stuck(bound: float) -> str:
-    return f"no reply to RELEASE within {bound:g} s: the connection was closed"
-
-
-def _bound(timeout: float | None) -> contextlib.AbstractContextManager[trio.CancelScope]:
-    return trio.fail_after(math.inf if timeout is None else timeout)
-
-
-class AsyncSlicer:
-    """A trio connection to slicerd: ``async with await AsyncSlicer.connect(...) as s``.
-
-    The same calls as `Slicer`, awaited. Tasks may share one connection: requests are
-    pipelined, and whichever task waits reads for all (one reader at a time, in turn);
-    `release_timeout` (`RELEASE_TIMEOUT`) bounds the release at the end of `turn`.
-    """
-
-    def __init__(self, stream: trio.abc.Stream, workload: str | None = None) -> None:
-        self._stream = stream
-        self.release_timeout = RELEASE_TIMEOUT
-        self._session = proto.ClientSession(workload)
-        self._send_lock = trio.Lock()
-        self._recv_lock = trio.Lock()
-
-    @classmethod
-    async def connect(
-        cls, path: str | None = None, workload: str | None = None, timeout: float = 30.0
-    ) -> AsyncSlicer:
-        """Connect to the daemon's socket; `workload` defaults to $SLICER_WORKLOAD."""
-        where = socket_path(path)
-        try:
-            with trio.fail_after(timeout):
-                stream = await trio.open_unix_socket(where)
-        except (OSError, trio.TooSlowError) as e:
-            raise Unreachable(f"cannot connect to {where}: {str(e) or 'timed out'}") from e
-        return cls(stream, workload or os.environ.get("SLICER_WORKLOAD"))
-
-    @classmethod
-    async def from_env(cls) -> AsyncSlicer:
-        """Connect using SLICER_SOCKET and SLICER_WORKLOAD (set by slicer-launch)."""
-        return await cls.connect()
-
-    async def __aenter__(self) -> AsyncSlicer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the connection (the daemon then ends our turn and registrations)."""
-        self._session.connection_lost("the client closed the connection")
-        await self._stream.aclose()
-
-    @property
-    def workload(self) -> str | None:
-        """The name used when a call is given none (set by `register`)."""
-        return self._session.workload
-
-    @workload.setter
-    def workload(self, name: str | None) -> None:
-        self._session.workload = name
-
-    @property
-    def events(self) -> deque[proto.ServerMessage]:
-        """Non-reply lines received and not yet taken by `next_message`."""
-        return self._session.events
-
-    @property
-    def on_event(self) -> Callable[[proto.ServerMessage], None] | None:
-        """Called with each non-reply line as it arrives (must not block)."""
-        return self._session.on_event
-
-    @on_event.setter
-    def on_event(self, fn: Callable[[proto.ServerMessage], None] | None) -> None:
-        self._session.on_event = fn
-
-    async def _pump(self, ready: Callable[[], bool]) -> None:
-        # One reader at a time; trio.Lock is fair, so a task whose reply another task
-        # read gets the lock next, sees `ready` and returns without reading.
-        while not ready() and not self._session.failed:
-            try:
-                async with self._recv_lock:
-                    if ready() or self._session.failed:
-                        return
-                    try:
-                        data = await self._stream.receive_some(RECV_SIZE)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                        self._session.connection_lost(f"connection lost: {e}")
-                        return
-                    if data:
-                        self._session.receive_data(data)
-                    else:
-                        self._session.receive_eof()
-            finally:
-                # Whoever read a grant nobody waits for writes its RELEASE now (and the
-                # calls held behind it), outside the read lock.
-                await self._flush()
-
-    async def _write(self, data: bytes) -> None:
-        # Under the send lock. Once begun, lines are written whole (shielded, bounded):
-        # a line cut off would garble the next.
-        if not data:
-            return
-        with trio.CancelScope(shield=True), trio.move_on_after(WRITE_TIMEOUT) as scope:
-            try:
-                await self._stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                self._session.connection_lost(f"connection lost: {e}")
-        if scope.cancelled_caught:
-            self._session.connection_lost(f"a request line blocked for {WRITE_TIMEOUT:g} s")
-
-    async def _flush(self) -> None:
-        # What the session owes goes out even from a task being cancelled (shielded; the
-        # send lock's holder is bounded by WRITE_TIMEOUT).
-        if not self._session.has_data_to_send:
-            return
-        with trio.CancelScope(shield=True):
-            async with self._send_lock:
-                await self._write(self._session.data_to_send())
-
-    async def _call(self, make: Callable[[], proto.Call[T]], timeout: float | None) -> T:
-        async with self._send_lock:
-            await trio.lowlevel.checkpoint_if_cancelled()  # nothing sent for a cancelled caller
-            call = make()
-            await self._write(self._session.data_to_send())
-        try:
-            with _bound(timeout):
-                await self._pump(lambda: call.done)
-        except BaseException:
-            call.abandon()  # its reply is dropped; a turn it was granted is given back
-            await self._flush()
-            raise
-        return call.result()
-
-    async def next_message(self, timeout: float | None = None) -> proto.ServerMessage:
-        """The next non-reply line (queued ones first); None `timeout` waits forever."""
-        with _bound(timeout):
-            while (msg := self._session.next_event()) is None:
-                await self._pump(lambda: bool(self._session.events))
-        return msg
-
-    async def request(self, req: proto.Request, timeout: float | None = REPLY_TIMEOUT) -> proto.Ok:
-        """Send `req` and wait (at most `timeout`, None = forever) for its reply."""
-        return await self._call(lambda: self._session.send(req), timeout)
-
-    async def ping(self) -> None:
-        """PING."""
-        await self._call(self._session.ping, REPLY_TIMEOUT)
-
-    async def register(self, name: str | None = None, **kw: Any) -> dict[str, str]:
-        """REGISTER (keywords: gpu, pid, tree, park, parked_max, fallback, ask); `name`
-        becomes the default workload of later calls."""
-        return await self._call(lambda: self._session.register(name, **kw), REPLY_TIMEOUT)
-
-    async def acquire(self, name: str | None = None, wait: float | None = None) -> Turn:
-        """ACQUIRE: wait until granted (or `wait` seconds: ClientError timeout)."""
-        return await self._call(lambda: self._session.acquire(name, wait), None)
-
-    async def release(self, t: Turn, park: str = "lazy") -> dict[str, str]:
-        """RELEASE the turn `t` (`park` "lazy" or "now")."""
-        return await self._call(lambda: self._session.release(t, park), None)
-
-    async def parked(self, name: str, turn: int, ok: bool = True) -> None:
-        """PARKED: answer a PARK (`ok` False: this registrant could not park it)."""
-        await self._call(lambda: self._session.parked(name, turn, ok), REPLY_TIMEOUT)
-
-    async def unregister(self, name: str | None = None) -> None:
-        """UNREGISTER."""
-        await self._call(lambda: self._session.unregister(name), REPLY_TIMEOUT)
-
-    async def status(self) -> dict[str, Any]:
-        """STATUS as a dict."""
-        return await self._call(self._session.status, REPLY_TIMEOUT)
-
-    async def watch(self) -> AsyncIterator[dict[str, Any]]:
-        """WATCH, then yield each event body, forever."""
-        await self._call(self._session.watch, REPLY_TIMEOUT)
-        while True:
-            msg = await self.next_message()
-            if isinstance(msg, proto.Event):
-                yield msg.body
-
-    @contextlib.asynccontextmanager
-    async def turn(
-        self, name: str | None = None, wait: float | None = None, park: str = "lazy"
-    ) -> AsyncIterator[Turn]:
-        """Hold a turn for the `async with` body; released on the way out, exceptions and
-        cancellation included.
-
-        The release is shielded and bounded by `release_timeout`: past it the connection
-        is closed and, when the body ended normally, `Unreachable` is raised. An ACQUIRE
-        that raises `Faulted` with a granted turn releases that turn before the `Faulted`
-        goes on."""
-        made: list[proto.Call[Turn]] = []
-
-        def make() -> proto.Call[Turn]:
-            made.append(self._session.acquire(name, wait))
-            return made[-1]
-
-        try:
-            t = await self._call(make, None)
-        except Faulted:
-            if (granted := made[-1].granted()) is not None:
-                with contextlib.suppress(ClientError, proto.ProtocolError):
-                    await self._end_turn(granted, park, loud=False)
-            raise
-        finished = False
-        try:
-            yield t
-            finished = True
-        finally:
-            await self._end_turn(t, park, loud=finished)
-
-    async def _end_turn(self, t: Turn, park: str, loud: bool) -> None:
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(self.release_timeout) as bound:
-                await self.release(t, park)
-            if bound.cancelled_caught:
-                await self.aclose()
-                if loud:
-                    raise Unreachable(_stuck(self.release_timeout))
+                raise Unreachable(release_stuck(self.release_timeout)) from None

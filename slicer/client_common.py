@@ -1,0 +1,34 @@
+"""What slicerd's two client transports share: where the daemon listens and how long to wait.
+
+`gpu_slicer.slicer.client` re-exports the public names; the transports (`client.Slicer`,
+`client_trio.AsyncSlicer`) import them from here, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import os
+
+from gpu_slicer.slicer.config import DEFAULT_SOCKET
+
+__all__ = ["RECV_SIZE", "RELEASE_TIMEOUT", "REPLY_TIMEOUT", "release_stuck", "socket_path"]
+
+REPLY_TIMEOUT = 30.0
+"""Default bound (seconds) on the reply to a request that is answered at once."""
+RELEASE_TIMEOUT = 600.0
+"""Bound (seconds) on the RELEASE at the end of `turn()` (each client's `release_timeout`).
+A RELEASE waits for a park of the workload when the daemon parks it there (``park=now``,
+or a waiter needs the room): with the default limits at most the registrant's answer
+(60 s) then cuda-checkpoint (120 s). Past the bound the daemon is taken as stuck and the
+connection is closed (the daemon then ends the turn, if it still can)."""
+RECV_SIZE = 65536
+"""Bytes asked of the socket per read."""
+
+
+def socket_path(path: str | None = None) -> str:
+    """The socket to use: explicit, else $SLICER_SOCKET, else the system default."""
+    return path or os.environ.get("SLICER_SOCKET") or DEFAULT_SOCKET
+
+
+def release_stuck(bound: float) -> str:
+    """The `Unreachable` text when the RELEASE ending a turn got no reply within `bound` s."""
+    return f"no reply to RELEASE within {bound:g} s: the connection was closed"

@@ -1,0 +1,320 @@
+"""GPU operations and measurements: the tasks and inline steps the server performs.
+
+Parks, restores and recoveries run as tasks, one GPU never waiting for another; a reaper
+reads a workload's processes and memory until the state machine says stop; a census
+measures what each workload holds. Every GPU operation in flight has an *owner* (the task
+or inline step performing it), which always reports a result, also when it fails. What is
+measured goes back to `SlicerState` as readings (`slicer.readings`); the state machine
+decides what they mean. The server passes in what these need (its state machine, GPU
+backend, parker, process table, clock, and how to apply effects), so nothing here imports
+it back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from gpu_slicer import proto
+from gpu_slicer.slicer import census, errors, procs, recovery
+from gpu_slicer.slicer.config import Config
+from gpu_slicer.slicer.connection import Connection
+from gpu_slicer.slicer.effects import AskPark, Effect, Park, Reap, Recover, Restore, Verify
+from gpu_slicer.slicer.gpu import GpuBackend
+from gpu_slicer.slicer.park import Parker
+from gpu_slicer.slicer.readings import (
+    Census,
+    Outcome,
+    ParkReport,
+    RecoverReport,
+    RestoreReport,
+    Unreadable,
+)
+from gpu_slicer.slicer.state import ProcessInfo, SlicerState
+
+# The server's logger: slicerd's log lines keep the name they had.
+log = logging.getLogger("slicer.server")
+
+REAP_EVERY = 0.25
+
+
+class GpuOps:
+    """Performs the server's GPU operations and measurements, each with an owner."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        sm: SlicerState,
+        backend: GpuBackend,
+        parker: Parker,
+        host: procs.ProcessTable,
+        clock: Callable[[], float],
+        apply: Callable[[list[Effect]], None],
+        durable: Callable[[], bool],
+    ) -> None:
+        self.cfg, self.sm, self.backend, self.parker, self.host = cfg, sm, backend, parker, host
+        # `apply` performs effects (the server's one loop); `durable` says whether the
+        # journal is being written (a park's pids are journaled before its tool runs).
+        self._clock, self._apply, self._durable = clock, apply, durable
+        # op id -> (token, what): who performs the GPU operation in flight.
+        self.owners: dict[int, tuple[object, str]] = {}
+
+    # ---- owners ----------------------------------------------------------------------
+
+    def failed(self, e: Effect, ex: Exception) -> list[Effect]:
+        """Results for a GPU operation whose effect could not be performed: its owner
+        always reports, so no GPU stays busy with nobody working on it."""
+        now, text = self._clock(), f"{type(ex).__name__}: {ex}"[:300]
+        try:
+            match e:
+                case Verify():
+                    return self.sm.verified(e.op, Unreadable("server-error", text), now)
+                case Park():
+                    return self.sm.park_done(e.op, ParkReport(error=text), now)
+                case Restore():
+                    return self.sm.restore_done(e.op, RestoreReport(error=text), now)
+                case Recover():
+                    return self.sm.recover_done(e.op, RecoverReport(error=text), now)
+                case AskPark():
+                    return self.sm.ask_expired(e.op, now)
+        except Exception:
+            log.exception("reporting the failure of %s failed", type(e).__name__)
+        return []
+
+    def own(self, op: int, what: str) -> object:
+        """Make `what` the owner of GPU operation `op`; the token it disowns it with."""
+        token = object()
+        self.owners[op] = (token, what)
+        return token
+
+    def disown(self, op: int, token: object) -> None:
+        """`token` no longer owns `op` (an owner that came after it is kept)."""
+        if self.owners.get(op, (None, ""))[0] is token:
+            del self.owners[op]
+
+    def report(self, op: int, token: object, call: Callable[[], list[Effect]]) -> None:
+        """Feed a task's result to the state machine; the task stays the op's owner
+        until the result is in."""
+        try:
+            self._apply(call())
+        except Exception:
+            log.exception("reporting the result of op %d failed", op)
+        finally:
+            self.disown(op, token)
+
+    # ---- measures --------------------------------------------------------------------
+
+    def recover(self, entries: list[dict[str, Any]]) -> None:
+        """Read how the journaled workloads are now (alive? what they hold on their GPU)
+        and hand them to the state machine."""
+        for e in entries:
+            _upgrade_entry(e, self.host)
+            ident = (int(e.get("pid", 0)), int(e.get("start_time", 0)))
+            e["alive"] = self.host.alive(ident)
+            e["resident_bytes"] = 0
+        by_gpu: dict[int, list[dict[str, Any]]] = {}
+        for e in entries:
+            if e["alive"]:
+                by_gpu.setdefault(int(e["gpu"]), []).append(e)
+        for gpu, group in by_gpu.items():
+            roots = [
+                census.Root(i, int(e["pid"]), int(e["start_time"]), bool(e["tree"]))
+                for i, e in enumerate(group)
+            ]
+            try:
+                taken = census.take(self.backend.processes(gpu), roots, self.host.ancestry)
+            except Exception as ex:
+                log.error("cannot read GPU %d during recovery: %s", gpu, ex)
+                for e in group:
+                    e["resident_bytes"] = None  # unread (the state machine decides)
+                continue
+            for i, e in enumerate(group):
+                e["resident_bytes"] = taken.of(i)
+        log.info("recovered %d journaled workloads", sum(1 for e in entries if e["alive"]))
+        self._apply(self.sm.adopt_journal(entries, self._clock()))
+
+    def register(self, conn: Connection, req: proto.Register, now: float) -> list[Effect]:
+        """REGISTER: measure the new workload's process and what it already holds, then
+        ask the state machine."""
+        gpu = self.sm.resolve_gpu(req.gpu)
+        pid = req.pid if req.pid is not None else conn.pid
+        start, uid = self.host.start_time(pid), self.host.owner_uid(pid)
+        if start is None or uid is None:
+            raise errors.NoSuchProcess(f"no live process {pid}")
+        info = ProcessInfo(pid=pid, start_time=start, uid=uid)
+        # Measure what the new workload already holds (before it is known, its memory
+        # would read as foreign): a probe root with a wid no workload has.
+        probe = [census.Root(0, pid, start, req.tree)]
+        taken = census.take(self.backend.processes(gpu), probe, self.host.ancestry)
+        return self.sm.register(
+            conn.cid,
+            req.workload,
+            gpu,
+            info,
+            req.tree,
+            str(req.park),
+            req.parked_max,
+            taken.of(0),
+            now,
+            fallback=str(req.fallback),
+            sharing=self._sharing((pid, start), req.tree),
+            ask=req.ask,
+        )
+
+    def _sharing(self, ident: procs.Ident, tree: bool) -> list[int]:
+        """The wids of tracked workloads whose process trees overlap the tree of `ident`."""
+        host = self.host
+        mine = list(host.ancestry(ident[0]))
+        out = []
+        for w in self.sm.workloads():
+            root = (w.pid, int(w.start_time))
+            # The new process lies in w's tree, or w's root lies in the new tree.
+            inside = any(a == root and (w.tree or depth == 0) for depth, a in enumerate(mine))
+            holds = tree and any(a == ident for a in host.ancestry(w.pid)) and host.alive(root)
+            if inside or holds:
+                out.append(w.wid)
+        return out
+
+    def _roots(self, gpu: int) -> list[census.Root]:
+        return [
+            census.Root(w.wid, w.pid, int(w.start_time), w.tree)
+            for w in self.sm.workloads()
+            if w.gpu == gpu
+        ]
+
+    def _census(self, gpu: int) -> Census:
+        return census.take(self.backend.processes(gpu), self._roots(gpu), self.host.ancestry)
+
+    def _bytes_of(self, gpu: int, wid: int, reason: str) -> int | Unreadable:
+        """Workload `wid`'s device bytes on `gpu` now, or why they could not be read."""
+        try:
+            return self._census(gpu).of(wid)
+        except Exception as ex:
+            return Unreadable(reason, str(ex)[:300])
+
+    def read_gpu(self, e: Verify) -> tuple[Census | Unreadable, int | None]:
+        """The census of `e.gpu` and, when the grant needs room, its free bytes."""
+        try:
+            seen = self._census(e.gpu)
+            return seen, (self.backend.free_bytes(e.gpu) if e.need else None)
+        except Exception as ex:
+            log.error("GPU %d cannot be verified: %s", e.gpu, ex)
+            return Unreadable("backend-error", str(ex)[:200]), None
+
+    def _ms_since(self, t0: float) -> int:
+        return int((self._clock() - t0) * 1000)
+
+    async def park(self, e: Park, token: object) -> None:
+        """Park task: move the workload's GPU memory off with the parker and report."""
+        t0 = self._clock()
+        before, error = 0, ""
+        parked: tuple[procs.Ident, ...] = ()
+        tool: Outcome | None = None
+        alive: tuple[bool, ...] = ()
+        try:
+            seen = self._census(e.gpu)
+            before = seen.of(e.wid)
+            pids = seen.pids_by_wid.get(e.wid, [])
+            parked = tuple((p, st) for p in pids if (st := self.host.start_time(p)) is not None)
+            if parked:
+                # Journaled before the tool runs: a daemon killed from here on finds the
+                # processes in the journal and asks the driver how far the park got.
+                self._apply(self.sm.park_started(e.op, parked, before))
+                durable = self._durable()
+                fx, go = self.sm.park_journaled(e.op, durable, self._clock())
+                if not go:
+                    self.report(e.op, token, lambda: fx)
+                    return
+                tool = await self.parker.park([p for p, _ in parked], self.cfg.park_timeout)
+                alive = tuple(self.host.alive(p) for p in parked)
+        except Exception as ex:
+            error = str(ex)[:300]
+        after = self._bytes_of(e.gpu, e.wid, "park-error")
+        report = ParkReport(self._ms_since(t0), before, parked, tool, alive, after, error)
+        self.report(e.op, token, lambda: self.sm.park_done(e.op, report, self._clock()))
+
+    def verify_parked(self, e: Park) -> list[Effect]:
+        """A cooperative park: the workload freed the GPU itself; it is checked through
+        the backend, never on its word."""
+        t0 = self._clock()
+        after = self._bytes_of(e.gpu, e.wid, "park-error")
+        report = ParkReport(ms=self._ms_since(t0), after=after)
+        return self.sm.park_done(e.op, report, self._clock())
+
+    async def restore(self, e: Restore, token: object) -> None:
+        """Restore task: bring the parked processes that still live back and report."""
+        t0 = self._clock()
+        live = tuple((p, st) for p, st in e.procs if self.host.start_time(p) == st)
+        tool: Outcome | None = None
+        error = ""
+        try:
+            if live:
+                tool = await self.parker.restore([p for p, _ in live], self.cfg.restore_timeout)
+        except Exception as ex:
+            error = str(ex)[:300]
+        report = RestoreReport(ms=self._ms_since(t0), live=live, tool=tool, error=error)
+        self.report(e.op, token, lambda: self.sm.restore_done(e.op, report, self._clock()))
+
+    async def recover_op(self, e: Recover, token: object) -> None:
+        """Recovery task: read how far an interrupted park or restore got, perform the
+        plan the state machine makes of it, and report."""
+        bound = max(self.cfg.park_timeout, self.cfg.restore_timeout)
+        try:
+            reading = await recovery.read(self.parker, e.procs, bound, e.root, self.host)
+            plan = self.sm.recovery_plan(e.op, reading)
+            steps = await recovery.perform(self.parker, plan.steps, bound)
+            after = self._bytes_of(e.gpu, e.wid, "recover-error")
+            report = RecoverReport(reading, steps, after)
+            log.info(
+                "recovering %s (%s): %s, steps %s",
+                e.workload,
+                e.intent,
+                plan.result.result,
+                "ok" if steps.ok else f"failed: {steps.reason} {steps.text}",
+            )
+        except Exception as ex:
+            report = RecoverReport(error=str(ex)[:300])
+        self.report(e.op, token, lambda: self.sm.recover_done(e.op, report, self._clock()))
+
+    async def reap(self, e: Reap) -> None:
+        """Reaper task: read whether the workload lives and what it holds until the state
+        machine says stop."""
+        # Reads and reports until the state machine says stop; it decides what the
+        # readings mean, and when a faulted workload's processes are killed (`Kill`).
+        ident = (e.pid, int(e.start_time))
+        while True:
+            alive = self.host.alive(ident)
+            nbytes: int | None = None  # unread: the GPU stays taken
+            holders: tuple[int, ...] = ()
+            try:
+                taken = self._census(e.gpu)
+                nbytes, holders = taken.of(e.wid), tuple(taken.pids_by_wid.get(e.wid, []))
+            except Exception:
+                pass
+            try:
+                fx, done = self.sm.memory_report(e.wid, alive, nbytes, self._clock(), holders)
+                self._apply(fx)
+            except Exception:  # a reaper must never take the daemon down
+                log.exception("reaping %s failed", e.workload)
+                done = False
+            if done:
+                return
+            await trio.sleep(REAP_EVERY)
+
+
+def _upgrade_entry(e: dict[str, Any], host: procs.ProcessTable = procs) -> None:
+    """Journals written before processes were journaled with their start times name
+    parked pids alone: pair each still-live one with its start time now."""
+    if "parked_procs" not in e and e.get("parked_pids"):
+        # Only processes of the workload's tree now, started after its root: a pid that
+        # was reused by someone else's process is never taken for ours.
+        root = (int(e["pid"]), int(e["start_time"]))
+        members = set(host.tree(root, bool(e.get("tree", True))))
+        e["parked_procs"] = [
+            [p, st]
+            for p in map(int, e["parked_pids"])
+            if p in members and (st := host.start_time(p)) is not None and st >= root[1]
+        ]
