@@ -16,32 +16,27 @@ workload's processes (`recovery_plan`, `recover_done`), a reaper's reading
 
 Around this class, by concept, all pure: `slicer.policy` (the rules, and the choice of the
 next move on a GPU), `slicer.rescue` (the stages of a cooperative park nobody did),
-`slicer.restart` (journal entries out and back in), `slicer.views` (STATUS and EVENT bodies).
+`slicer.restart` (journal entries out and back in), `slicer.views` (STATUS and EVENT bodies),
+`slicer.queueing` (queue and turn bookkeeping of one GPU), `slicer.opstart` (starting an op on a
+GPU, and a workload's reaper), `slicer.records` (`Limits`, `ProcessInfo`, re-exported here).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
-from gpu_slicer.slicer import errors, policy, rescue, restart, views
+from gpu_slicer.slicer import errors, opstart, policy, rescue, restart, views
 from gpu_slicer.slicer.effects import (
     ConnId,
     Deny,
     Effect,
     Grant,
-    Kill,
     Persist,
-    Reap,
     Recheck,
-    Recover,
     Reply,
-    Restore,
     SendFault,
-    SendWaiting,
-    Verify,
 )
 from gpu_slicer.slicer.model import (
     RESIDENT,
@@ -56,6 +51,7 @@ from gpu_slicer.slicer.model import (
     Workload,
     WState,
 )
+from gpu_slicer.slicer.queueing import end_turn, holding, notify_waiting, unqueue
 from gpu_slicer.slicer.readings import (
     Census,
     ParkReport,
@@ -64,33 +60,10 @@ from gpu_slicer.slicer.readings import (
     RestoreReport,
     Unreadable,
 )
+from gpu_slicer.slicer.records import Limits, ProcessInfo
 from gpu_slicer.slicer.views import event
 
-
-@dataclass(frozen=True)
-class Limits:
-    """Bounds the state machine enforces (each refusal is `LimitReached`)."""
-
-    max_workloads: int = 256
-    max_queue: int = 4096
-    fault_kill_after: float = 60.0
-    recheck_every: float = 0.5
-    adopt_grace: float = 60.0
-    registrant_park_timeout: float = 60.0
-    # Foreign memory (no workload's) on a GPU blocks grants there (config `foreign`).
-    foreign_blocks: bool = True
-    max_connections: int = 1024
-    max_connections_per_uid: int = 64  # root and the allowed group are exempt
-    reserved_connections: int = 32  # of max_connections, kept for root
-
-
-@dataclass(frozen=True)
-class ProcessInfo:
-    """What the server learned of a registering process (pid, start time, owner)."""
-
-    pid: int
-    start_time: float
-    uid: int
+__all__ = ["Limits", "ProcessInfo", "SlicerState"]
 
 
 class SlicerState:
@@ -135,12 +108,6 @@ class SlicerState:
     def _on_gpu(self, gpu: Gpu) -> list[Workload]:
         return [w for w in self.workloads() if w.gpu == gpu.index]
 
-    def _holding(self, conn: ConnId) -> Gpu | None:
-        for gpu in self.gpus.values():
-            if gpu.holder is not None and gpu.holder.conn == conn:
-                return gpu
-        return None
-
     # ---- connections -----------------------------------------------------------------
 
     def connect(self, conn: ConnId, uid: int, pid: int, trusted: bool = False) -> None:
@@ -180,11 +147,11 @@ class SlicerState:
         touched: set[int] = set()
         if info.waiting_on is not None:
             gpu = self.gpus[info.waiting_on]
-            self._unqueue(gpu, gpu.queue[conn])
+            unqueue(gpu, gpu.queue[conn], self.conns)
             touched.add(gpu.index)
-        held = self._holding(conn)
+        held = holding(self.gpus.values(), conn)
         if held is not None:
-            w = self._end_turn(held, now, fx, reason="holder-closed")
+            w = end_turn(held, now, fx, reason="holder-closed")
             # Its state may be dirty: park it before anyone else is granted, and do not
             # trust what the backend sees right now (a wake may still be under way).
             w.must_park = w.holder_died = True
@@ -278,7 +245,7 @@ class SlicerState:
     def acquire(self, conn: ConnId, name: str, now: float) -> list[Effect]:
         """ACQUIRE: queue `conn` for a turn of workload `name` (FIFO per GPU)."""
         peer = self.conns[conn]
-        if peer.waiting_on is not None or self._holding(conn) is not None:
+        if peer.waiting_on is not None or holding(self.gpus.values(), conn) is not None:
             raise errors.Busy("this connection already holds or waits for a turn")
         w = self.registered.get(name)
         if w is None:
@@ -294,7 +261,7 @@ class SlicerState:
         gpu.waiting[w.wid] = gpu.waiting.get(w.wid, 0) + 1
         peer.waiting_on = gpu.index
         fx: list[Effect] = [event("queued", w, now, position=len(gpu.queue))]
-        fx += self._notify_waiting(gpu)
+        fx += notify_waiting(gpu)
         fx += self._reconcile(gpu, now)
         return fx
 
@@ -305,7 +272,7 @@ class SlicerState:
             return []
         gpu = self.gpus[peer.waiting_on]
         waiter = gpu.queue[conn]
-        self._unqueue(gpu, waiter)
+        unqueue(gpu, waiter, self.conns)
         waited = int((now - waiter.since) * 1000)
         fx: list[Effect] = [Deny(conn, errors.Timeout(f"not granted within {waited} ms"))]
         return fx + self._reconcile(gpu, now)
@@ -314,12 +281,12 @@ class SlicerState:
         self, conn: ConnId, name: str, turn: int, park_now: bool, now: float
     ) -> list[Effect]:
         """RELEASE: end the turn `conn` holds; park lazily (or now) and promote."""
-        gpu = self._holding(conn)
+        gpu = holding(self.gpus.values(), conn)
         holder = gpu.holder if gpu is not None else None
         if gpu is None or holder is None or holder.turn != turn or holder.workload.name != name:
             raise errors.NotHolder(f"this connection does not hold turn {turn} of {name}")
         fx: list[Effect] = []
-        w = self._end_turn(gpu, now, fx, reason="released")
+        w = end_turn(gpu, now, fx, reason="released")
         w.must_park = park_now
         w.park_reply = conn
         fx += self._reconcile(gpu, now)
@@ -346,7 +313,7 @@ class SlicerState:
     def park_started(self, op_id: int, procs: tuple[Ident, ...], nbytes: int) -> list[Effect]:
         """The server is about to run cuda-checkpoint on `procs` (holding `nbytes`) for
         park `op_id`: journal them first, so that a restart knows whom to ask."""
-        gpu = self.gpus.get(self._op_gpu(op_id, OpKind.PARK), None)
+        gpu = self.gpus.get(opstart.op_gpu(self.gpus.values(), op_id, OpKind.PARK), None)
         if gpu is None or gpu.op is None:
             return []
         w = gpu.op.workload
@@ -359,7 +326,7 @@ class SlicerState:
         the journal is not on disk (a crash would leave checkpointed processes nobody
         knows of): the workload stays resident and must park, the GPU stays taken until
         it can."""
-        index = self._op_gpu(op_id, OpKind.PARK)
+        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.PARK)
         if index < 0:
             return [], False
         if durable:
@@ -377,17 +344,11 @@ class SlicerState:
             Recheck(gpu.index, self.limits.recheck_every),
         ], False
 
-    def _op_gpu(self, op_id: int, kind: OpKind) -> int:
-        for gpu in self.gpus.values():
-            if gpu.op is not None and gpu.op.op_id == op_id and gpu.op.kind is kind:
-                return gpu.index
-        return -1
-
     def park_done(self, op_id: int, report: ParkReport, now: float) -> list[Effect]:
         """A Park effect finished; `report` is what the server measured around it. Whether
         the park held is decided here (`policy.judge_park`); the processes it checkpointed
         are what a restore must bring back."""
-        index = self._op_gpu(op_id, OpKind.PARK)
+        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.PARK)
         if index < 0:
             return []
         gpu = self.gpus[index]
@@ -415,7 +376,7 @@ class SlicerState:
             if op.reply_conn is not None:
                 fx.append(Reply(op.reply_conn, {"parked": "1", "park_ms": str(ms)}))
             if w.detached:
-                fx.append(self._reap(w, None, now))
+                fx.append(opstart.reap(w, None, now))
         else:
             fx += self._fault(w, reason, text or f"park failed: {reason}", now)
             if op.reply_conn is not None:
@@ -473,7 +434,7 @@ class SlicerState:
 
     def ask_expired(self, op_id: int, now: float) -> list[Effect]:
         """The registrant did not answer the PARK of op `op_id` in time."""
-        index = self._op_gpu(op_id, OpKind.PARK)
+        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.PARK)
         op = self.gpus[index].op if index >= 0 else None
         if op is None or op.stage is not ParkStage.ASK:
             return []
@@ -482,7 +443,7 @@ class SlicerState:
     def recovery_plan(self, op_id: int, reading: RecoveryReading) -> policy.RecoveryPlan:
         """The cuda-checkpoint steps that finish or roll back recovery op `op_id`, from
         `reading` (`policy.plan_recovery`); asking changes nothing."""
-        index = self._op_gpu(op_id, OpKind.RECOVER)
+        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.RECOVER)
         op = self.gpus[index].op if index >= 0 else None
         if op is None:
             return policy.RecoveryPlan()
@@ -494,7 +455,7 @@ class SlicerState:
         (`policy.judge_recovery`): "parked" (its processes are checkpointed), "resident"
         (they run, memory on the device), "gone" (no process of it lives) or "fault" (the
         driver reports a failure, a tool never ended, or memory stayed)."""
-        index = self._op_gpu(op_id, OpKind.RECOVER)
+        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.RECOVER)
         if index < 0:
             return []
         gpu = self.gpus[index]
@@ -527,14 +488,14 @@ class SlicerState:
             fx += self._fault(w, reason, text or f"recovery failed: {reason}", now)
         fx += [event("recovered", w, now, intent=intent, result=result), Persist()]
         if w.detached and w.state is WState.PARKED:
-            fx.append(self._reap(w, None, now))
+            fx.append(opstart.reap(w, None, now))
         return fx + self._reconcile(gpu, now)
 
     def restore_done(self, op_id: int, report: RestoreReport, now: float) -> list[Effect]:
         """A Restore effect finished; `report` is what the server saw. Whether it held is
         decided here (`policy.judge_restore`). A restored workload is idle until
         `_reconcile` grants it to the waiter it was restored for (if still there)."""
-        index = self._op_gpu(op_id, OpKind.RESTORE)
+        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.RESTORE)
         if index < 0:
             return []
         gpu = self.gpus[index]
@@ -548,7 +509,7 @@ class SlicerState:
         if not out.ok:
             waiters = [x for x in gpu.queue.values() if x.workload is w]
             for waiter in waiters:
-                self._unqueue(gpu, waiter)
+                unqueue(gpu, waiter, self.conns)
             fx += self._fault(w, reason, text or f"restore failed: {reason}", now)
             for waiter in waiters:
                 fx.append(Deny(waiter.conn, errors.RestoreFailed(f"{w.name}: {reason}")))
@@ -570,7 +531,7 @@ class SlicerState:
         """A Verify effect finished: `seen` is the census of the GPU (or why it could not
         be read), `free` its free bytes (read when the Verify asked for room). What blocks
         the grant is decided here (`policy.blockers`) and shown in STATUS until clean."""
-        index = self._op_gpu(op_id, OpKind.VERIFY)
+        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.VERIFY)
         if index < 0:
             return []
         gpu = self.gpus[index]
@@ -622,23 +583,13 @@ class SlicerState:
             live = self.by_wid(wid)
             if live is None or live.state is not WState.FAULTED:
                 return [], True
-            return self._kill_if_due(live, alive, holders, now), False
+            return opstart.kill_if_due(live, alive, holders, now), False
         gone = not alive or (w.state is WState.FAULTED and nbytes == 0)
         if w.state not in (WState.FAULTED, WState.PARKED) or not gone:
-            return self._kill_if_due(w, alive, holders, now), False
+            return opstart.kill_if_due(w, alive, holders, now), False
         del self.orphans[wid]
         fx: list[Effect] = [event("forgotten", w, now), Persist()]
         return fx + self._reconcile(self.gpus[w.gpu], now), True
-
-    def _kill_if_due(
-        self, w: Workload, alive: bool, holders: tuple[int, ...], now: float
-    ) -> list[Effect]:
-        if w.state is not WState.FAULTED:
-            return []
-        if not policy.kill_due(w.kill_at, w.killed, alive, holders, now):
-            return []
-        w.killed = True
-        return [Kill(w.wid, w.name, holders)]
 
     # ---- restart ---------------------------------------------------------------------
 
@@ -661,7 +612,7 @@ class SlicerState:
             w = back.workload
             if back.then in ("reap", "reap-kill"):
                 kill_after = self.limits.fault_kill_after if back.then == "reap-kill" else None
-                fx.append(self._reap(w, kill_after, now))
+                fx.append(opstart.reap(w, kill_after, now))
             elif back.then == "hold":
                 w.hold_until = now + self.limits.adopt_grace
                 fx.append(Recheck(w.gpu, self.limits.adopt_grace))
@@ -698,54 +649,15 @@ class SlicerState:
                 return w
         return None
 
-    def _unqueue(self, gpu: Gpu, waiter: Waiter) -> None:
-        if gpu.queue.pop(waiter.conn, None) is not None:
-            left = gpu.waiting[waiter.workload.wid] - 1
-            if left:
-                gpu.waiting[waiter.workload.wid] = left
-            else:
-                del gpu.waiting[waiter.workload.wid]
-                waiter.workload.restored = False  # restored for nobody now
-        peer = self.conns.get(waiter.conn)
-        if peer is not None:
-            peer.waiting_on = None
-        if self._others_waiting(gpu) == 0:
-            # WAITING goes out on every change from zero to non-zero during a turn.
-            gpu.waiting_sent = False
-
-    def _others_waiting(self, gpu: Gpu) -> int:
-        mine = gpu.holder.workload.wid if gpu.holder is not None else None
-        return len(gpu.waiting) - (1 if mine in gpu.waiting else 0)
-
-    def _notify_waiting(self, gpu: Gpu) -> list[Effect]:
-        holder = gpu.holder
-        if holder is None or gpu.waiting_sent:
-            return []
-        n = self._others_waiting(gpu)
-        if n == 0:
-            return []
-        gpu.waiting_sent = True
-        return [SendWaiting(holder.conn, holder.workload.name, holder.turn, n)]
-
-    def _end_turn(self, gpu: Gpu, now: float, fx: list[Effect], reason: str) -> Workload:
-        assert gpu.holder is not None
-        holder = gpu.holder
-        w = holder.workload
-        w.to(WState.IDLE)
-        gpu.holder = None
-        fx.append(event("released", w, now, how=reason, turn_ended=holder.turn))
-        w.turn = None
-        return w
-
     def _end_registration(self, w: Workload, now: float, fx: list[Effect]) -> None:
         gpu = self.gpus[w.gpu]
         if gpu.holder is not None and gpu.holder.workload is w:
             w.check(WState.IDLE)  # its turn ends too: checked before anything changes
         for waiter in [x for x in gpu.queue.values() if x.workload is w]:
-            self._unqueue(gpu, waiter)
+            unqueue(gpu, waiter, self.conns)
             fx.append(Deny(waiter.conn, errors.Gone(f"workload {w.name} was unregistered")))
         if gpu.holder is not None and gpu.holder.workload is w:
-            self._end_turn(gpu, now, fx, reason="unregistered")
+            end_turn(gpu, now, fx, reason="unregistered")
         del self.registered[w.name]
         w.registrant = None
         fx.append(event("unregistered", w, now))
@@ -754,22 +666,9 @@ class SlicerState:
             return
         self.orphans[w.wid] = w
         if w.state is WState.PARKED:
-            fx.append(self._reap(w, None, now))
+            fx.append(opstart.reap(w, None, now))
         # IDLE orphans are parked by _reconcile; PARKING/RESTORING finish first; a FAULTED
         # one already has its reaper.
-
-    def _reap(self, w: Workload, kill_after: float | None, now: float) -> Reap:
-        if kill_after is not None:
-            w.kill_at, w.killed = now + kill_after, False
-        return Reap(
-            wid=w.wid,
-            workload=w.name,
-            gpu=w.gpu,
-            pid=w.pid,
-            start_time=w.start_time,
-            tree=w.tree,
-            kill_after=kill_after,
-        )
 
     def _fault(self, w: Workload, reason: str, text: str, now: float) -> list[Effect]:
         w.to(WState.FAULTED)
@@ -781,26 +680,10 @@ class SlicerState:
             fx.append(SendFault(w.registrant, w.name, w.last_turn, reason, text))
         gpu = self.gpus[w.gpu]
         for waiter in [x for x in gpu.queue.values() if x.workload is w]:
-            self._unqueue(gpu, waiter)
+            unqueue(gpu, waiter, self.conns)
             fx.append(Deny(waiter.conn, errors.Faulted(f"workload {w.name} faulted: {reason}")))
-        fx.append(self._reap(w, self.limits.fault_kill_after, now))
+        fx.append(opstart.reap(w, self.limits.fault_kill_after, now))
         return fx
-
-    def _start_park(self, gpu: Gpu, w: Workload, now: float) -> list[Effect]:
-        w.to(WState.PARKING)
-        op = Op(OpKind.PARK, next(self._ops), w, reply_conn=w.park_reply)
-        unattended = w.holder_died and w.park == "cooperative"
-        w.must_park, w.park_reply, w.holder_died = False, None, False
-        gpu.op = op
-        fx: list[Effect] = [
-            Persist(),  # a restart mid-park must know the processes may be checkpointed
-            event("parking", w, now),
-        ]
-        # Its holder died mid-turn: what the backend sees now may be half a wake. The
-        # registrant parks it (vLLM serialises a sleep after a wake in flight), else
-        # cuda-checkpoint, else the backend's word is all there is.
-        timeout = self.limits.registrant_park_timeout
-        return fx + rescue.start(op, gpu.index, unattended, self._asker(w), timeout, now)
 
     def _grant(self, gpu: Gpu, waiter: Waiter, now: float) -> list[Effect]:
         w = waiter.workload
@@ -808,7 +691,7 @@ class SlicerState:
         restored = w.state is WState.PARKED or w.restored
         w.to(WState.ACTIVE)
         w.restored = False
-        self._unqueue(gpu, waiter)
+        unqueue(gpu, waiter, self.conns)
         turn = next(self._turns)
         w.turn = w.last_turn = turn
         w.grants += 1
@@ -821,7 +704,7 @@ class SlicerState:
             Grant(waiter.conn, w.name, turn, restored, waited),
             event("granted", w, now, waited_ms=waited, restored=restored),
         ]
-        return fx + self._notify_waiting(gpu)
+        return fx + notify_waiting(gpu)
 
     def _reconcile(self, gpu: Gpu, now: float, verified: Workload | None = None) -> list[Effect]:
         """The one place that parks for, restores for and grants to the queue head (after
@@ -838,44 +721,13 @@ class SlicerState:
             return [Recheck(gpu.index, move.delay)]
         match move.kind:
             case "recover":
-                op = Op(OpKind.RECOVER, next(self._ops), w)
-                gpu.op = op
-                return [
-                    event("recovering", w, now, intent=w.recover),
-                    Recover(
-                        op.op_id,
-                        w.wid,
-                        w.name,
-                        gpu.index,
-                        str(w.recover),
-                        w.op_procs,
-                        w.parked_max,
-                        (w.pid, int(w.start_time)),
-                    ),
-                ]
+                return opstart.start_recover(gpu, w, next(self._ops), now)
             case "park":
-                return self._start_park(gpu, w, now)
+                timeout = self.limits.registrant_park_timeout
+                return opstart.start_park(gpu, w, next(self._ops), self._asker(w), timeout, now)
             case "verify":
-                checkpointed = w.state is WState.PARKED and bool(w.parked_procs)
-                need = w.parked_bytes if checkpointed else 0
-                op = Op(OpKind.VERIFY, next(self._ops), w, need=need)
-                gpu.op = op
-                return [Verify(op.op_id, gpu.index, w.wid, need)]
+                return opstart.start_verify(gpu, w, next(self._ops))
             case "restore":
-                w.to(WState.RESTORING)
-                op = Op(OpKind.RESTORE, next(self._ops), w)
-                gpu.op = op
-                return [
-                    Persist(),
-                    event("restoring", w, now),
-                    Restore(
-                        op=op.op_id,
-                        wid=w.wid,
-                        workload=w.name,
-                        gpu=gpu.index,
-                        procs=w.parked_procs,
-                        nbytes=w.parked_bytes,
-                    ),
-                ]
+                return opstart.start_restore(gpu, w, next(self._ops), now)
         assert move.waiter is not None
         return self._grant(gpu, move.waiter, now)

@@ -1,0 +1,115 @@
+"""Starting an op on a GPU, as `SlicerState` decides it: the `Op` record put on the GPU
+and the effects the server then performs (`slicer.gpuops` performs them).
+
+Pure helpers over the records of `slicer.model`, also for the reaper a workload gets and
+its kill deadline. Every number they need (the next op id, a timeout, who may be asked)
+is handed in; what to start, and when, stays in `SlicerState._reconcile`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gpu_slicer.slicer import policy, rescue
+from gpu_slicer.slicer.effects import ConnId, Effect, Kill, Persist, Reap, Recover, Restore, Verify
+from gpu_slicer.slicer.model import Gpu, Op, OpKind, Workload, WState
+from gpu_slicer.slicer.views import event
+
+
+def op_gpu(gpus: Iterable[Gpu], op_id: int, kind: OpKind) -> int:
+    """The index of the GPU running op `op_id` of `kind`, or -1 (it ended or never was)."""
+    for gpu in gpus:
+        if gpu.op is not None and gpu.op.op_id == op_id and gpu.op.kind is kind:
+            return gpu.index
+    return -1
+
+
+def reap(w: Workload, kill_after: float | None, now: float) -> Reap:
+    """The reaper of `w`'s processes; `kill_after`: its kill deadline starts now."""
+    if kill_after is not None:
+        w.kill_at, w.killed = now + kill_after, False
+    return Reap(
+        wid=w.wid,
+        workload=w.name,
+        gpu=w.gpu,
+        pid=w.pid,
+        start_time=w.start_time,
+        tree=w.tree,
+        kill_after=kill_after,
+    )
+
+
+def kill_if_due(w: Workload, alive: bool, holders: tuple[int, ...], now: float) -> list[Effect]:
+    """The Kill of a faulted `w`'s GPU processes `holders`, once `policy.kill_due`."""
+    if w.state is not WState.FAULTED:
+        return []
+    if not policy.kill_due(w.kill_at, w.killed, alive, holders, now):
+        return []
+    w.killed = True
+    return [Kill(w.wid, w.name, holders)]
+
+
+def start_park(
+    gpu: Gpu, w: Workload, op_id: int, asker: ConnId | None, timeout: float, now: float
+) -> list[Effect]:
+    """Start parking `w` on `gpu` as op `op_id`; `asker`: who may park it itself."""
+    w.to(WState.PARKING)
+    op = Op(OpKind.PARK, op_id, w, reply_conn=w.park_reply)
+    unattended = w.holder_died and w.park == "cooperative"
+    w.must_park, w.park_reply, w.holder_died = False, None, False
+    gpu.op = op
+    fx: list[Effect] = [
+        Persist(),  # a restart mid-park must know the processes may be checkpointed
+        event("parking", w, now),
+    ]
+    # Its holder died mid-turn: what the backend sees now may be half a wake. The
+    # registrant parks it (vLLM serialises a sleep after a wake in flight), else
+    # cuda-checkpoint, else the backend's word is all there is.
+    return fx + rescue.start(op, gpu.index, unattended, asker, timeout, now)
+
+
+def start_recover(gpu: Gpu, w: Workload, op_id: int, now: float) -> list[Effect]:
+    """Start settling the recovering `w` on `gpu` as op `op_id`."""
+    op = Op(OpKind.RECOVER, op_id, w)
+    gpu.op = op
+    return [
+        event("recovering", w, now, intent=w.recover),
+        Recover(
+            op.op_id,
+            w.wid,
+            w.name,
+            gpu.index,
+            str(w.recover),
+            w.op_procs,
+            w.parked_max,
+            (w.pid, int(w.start_time)),
+        ),
+    ]
+
+
+def start_verify(gpu: Gpu, w: Workload, op_id: int) -> list[Effect]:
+    """Start reading `gpu` (and, for a checkpointed `w`, its free room) as op `op_id`."""
+    checkpointed = w.state is WState.PARKED and bool(w.parked_procs)
+    need = w.parked_bytes if checkpointed else 0
+    op = Op(OpKind.VERIFY, op_id, w, need=need)
+    gpu.op = op
+    return [Verify(op.op_id, gpu.index, w.wid, need)]
+
+
+def start_restore(gpu: Gpu, w: Workload, op_id: int, now: float) -> list[Effect]:
+    """Start restoring the parked `w` on `gpu` as op `op_id`."""
+    w.to(WState.RESTORING)
+    op = Op(OpKind.RESTORE, op_id, w)
+    gpu.op = op
+    return [
+        Persist(),
+        event("restoring", w, now),
+        Restore(
+            op=op.op_id,
+            wid=w.wid,
+            workload=w.name,
+            gpu=gpu.index,
+            procs=w.parked_procs,
+            nbytes=w.parked_bytes,
+        ),
+    ]

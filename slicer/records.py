@@ -1,0 +1,32 @@
+"""The plain records `SlicerState` is built with and handed: its limits and a registering
+process's identity. `slicer.state` re-exports both (its callers import them from there)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds the state machine enforces (each refusal is `LimitReached`)."""
+
+    max_workloads: int = 256
+    max_queue: int = 4096
+    fault_kill_after: float = 60.0
+    recheck_every: float = 0.5
+    adopt_grace: float = 60.0
+    registrant_park_timeout: float = 60.0
+    # Foreign memory (no workload's) on a GPU blocks grants there (config `foreign`).
+    foreign_blocks: bool = True
+    max_connections: int = 1024
+    max_connections_per_uid: int = 64  # root and the allowed group are exempt
+    reserved_connections: int = 32  # of max_connections, kept for root
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """What the server learned of a registering process (pid, start time, owner)."""
+
+    pid: int
+    start_time: float
+    uid: int
