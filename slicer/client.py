@@ -28,8 +28,7 @@ import contextlib
 import os
 import socket
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from gpu_slicer import proto
@@ -38,6 +37,7 @@ from gpu_slicer.slicer.client_common import (
     RECV_SIZE,
     RELEASE_TIMEOUT,
     REPLY_TIMEOUT,
+    SessionView,
     release_stuck,
     socket_path,
 )
@@ -59,7 +59,7 @@ __all__ = [
 T = TypeVar("T")
 
 
-class Slicer:
+class Slicer(SessionView):
     """A blocking connection to slicerd, for plain training loops and tools.
 
     `workload` (default $SLICER_WORKLOAD) is the name used when a call is given none;
@@ -97,29 +97,6 @@ class Slicer:
         """Close the connection (the daemon then ends our turn and registrations)."""
         self._session.connection_lost("the client closed the connection")
         self._sock.close()
-
-    @property
-    def workload(self) -> str | None:
-        """The name used when a call is given none (set by `register`)."""
-        return self._session.workload
-
-    @workload.setter
-    def workload(self, name: str | None) -> None:
-        self._session.workload = name
-
-    @property
-    def events(self) -> deque[proto.ServerMessage]:
-        """Non-reply lines received and not yet taken by `next_message`."""
-        return self._session.events
-
-    @property
-    def on_event(self) -> Callable[[proto.ServerMessage], None] | None:
-        """Called with each non-reply line as it arrives (must not block)."""
-        return self._session.on_event
-
-    @on_event.setter
-    def on_event(self, fn: Callable[[proto.ServerMessage], None] | None) -> None:
-        self._session.on_event = fn
 
     def _read(self, timeout: float | None) -> None:
         self._sock.settimeout(timeout)

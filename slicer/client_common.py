@@ -7,10 +7,20 @@
 from __future__ import annotations
 
 import os
+from collections import deque
+from collections.abc import Callable
 
+from gpu_slicer import proto
 from gpu_slicer.slicer.config import DEFAULT_SOCKET
 
-__all__ = ["RECV_SIZE", "RELEASE_TIMEOUT", "REPLY_TIMEOUT", "release_stuck", "socket_path"]
+__all__ = [
+    "RECV_SIZE",
+    "RELEASE_TIMEOUT",
+    "REPLY_TIMEOUT",
+    "SessionView",
+    "release_stuck",
+    "socket_path",
+]
 
 REPLY_TIMEOUT = 30.0
 """Default bound (seconds) on the reply to a request that is answered at once."""
@@ -32,3 +42,32 @@ def socket_path(path: str | None = None) -> str:
 def release_stuck(bound: float) -> str:
     """The `Unreachable` text when the RELEASE ending a turn got no reply within `bound` s."""
     return f"no reply to RELEASE within {bound:g} s: the connection was closed"
+
+
+class SessionView:
+    """The session's state as both transports show it (written once, here)."""
+
+    _session: proto.ClientSession
+
+    @property
+    def workload(self) -> str | None:
+        """The name used when a call is given none (set by `register`)."""
+        return self._session.workload
+
+    @workload.setter
+    def workload(self, name: str | None) -> None:
+        self._session.workload = name
+
+    @property
+    def events(self) -> deque[proto.ServerMessage]:
+        """Non-reply lines received and not yet taken by `next_message`."""
+        return self._session.events
+
+    @property
+    def on_event(self) -> Callable[[proto.ServerMessage], None] | None:
+        """Called with each non-reply line as it arrives (must not block)."""
+        return self._session.on_event
+
+    @on_event.setter
+    def on_event(self, fn: Callable[[proto.ServerMessage], None] | None) -> None:
+        self._session.on_event = fn

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -21,6 +20,7 @@ from gpu_slicer.slicer.client_common import (
     RECV_SIZE,
     RELEASE_TIMEOUT,
     REPLY_TIMEOUT,
+    SessionView,
     release_stuck,
     socket_path,
 )
@@ -35,7 +35,7 @@ def _bound(timeout: float | None) -> contextlib.AbstractContextManager[trio.Canc
     return trio.fail_after(math.inf if timeout is None else timeout)
 
 
-class AsyncSlicer:
+class AsyncSlicer(SessionView):
     """A trio connection to slicerd: ``async with await AsyncSlicer.connect(...) as s``.
 
     The same calls as `Slicer`, awaited. Tasks may share one connection: requests are
@@ -78,29 +78,6 @@ class AsyncSlicer:
         """Close the connection (the daemon then ends our turn and registrations)."""
         self._session.connection_lost("the client closed the connection")
         await self._stream.aclose()
-
-    @property
-    def workload(self) -> str | None:
-        """The name used when a call is given none (set by `register`)."""
-        return self._session.workload
-
-    @workload.setter
-    def workload(self, name: str | None) -> None:
-        self._session.workload = name
-
-    @property
-    def events(self) -> deque[proto.ServerMessage]:
-        """Non-reply lines received and not yet taken by `next_message`."""
-        return self._session.events
-
-    @property
-    def on_event(self) -> Callable[[proto.ServerMessage], None] | None:
-        """Called with each non-reply line as it arrives (must not block)."""
-        return self._session.on_event
-
-    @on_event.setter
-    def on_event(self, fn: Callable[[proto.ServerMessage], None] | None) -> None:
-        self._session.on_event = fn
 
     async def _pump(self, ready: Callable[[], bool]) -> None:
         # One reader at a time; trio.Lock is fair, so a task whose reply another task
