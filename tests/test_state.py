@@ -284,6 +284,25 @@ class Driver:
         return dict(self.sm.status()["gpus"][index])
 
 
+def journal_entry(**over: Any) -> dict[str, Any]:
+    """A journal entry of workload "a" (gpu 0, park=checkpoint) as a restarted daemon reads
+    it, with the server's fresh measurement; `over` sets the state and the rest."""
+    return {
+        "name": "a",
+        "gpu": 0,
+        "pid": PIDS["a"],
+        "start_time": 1.0,
+        "tree": True,
+        "park": "checkpoint",
+        "parked_max": 0,
+        "owner_uid": USER,
+        "state": "idle",
+        "alive": True,
+        "resident_bytes": 0,
+        **over,
+    }
+
+
 def fresh(limits: Limits | None = None) -> SlicerState:
     sm = SlicerState(GPUS, limits)
     sm.adopt_journal([], 0.0)

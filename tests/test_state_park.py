@@ -25,6 +25,7 @@ from tests.test_state import (
     USER,
     Driver,
     fresh,
+    journal_entry,
     setup,
     snapshot,
 )
@@ -178,20 +179,7 @@ def restarted(state: str, **entry: Any) -> Driver:
         d.connect(conn, uid=USER, pid=900 + conn)
     for conn in (D1, D2):
         d.connect(conn)
-    e = {
-        "name": "a",
-        "gpu": 0,
-        "pid": PIDS["a"],
-        "start_time": 1.0,
-        "tree": True,
-        "park": "checkpoint",
-        "parked_max": 0,
-        "owner_uid": USER,
-        "state": state,
-        "alive": True,
-        "resident_bytes": 0,
-        **entry,
-    }
+    e = journal_entry(state=state, **entry)
     d.recovery_out = d.run(lambda now: d.sm.adopt_journal([e], now))  # type: ignore[attr-defined]
     return d
 

@@ -39,6 +39,7 @@ from tests.test_state import (
     USER,
     Driver,
     fresh,
+    journal_entry,
     setup,
     snapshot,
 )
@@ -450,21 +451,9 @@ def test_judge_recovery(report: RecoverReport, result: policy.Recovered) -> None
 
 def test_the_state_machine_hands_out_the_plan_of_its_recovery_op() -> None:
     d = Driver(SlicerState(GPUS))
-    e = {
-        "name": "a",
-        "gpu": 0,
-        "pid": PIDS["a"],
-        "start_time": 1.0,
-        "tree": True,
-        "park": "checkpoint",
-        "parked_max": 0,
-        "owner_uid": USER,
-        "state": "parking",
-        "op_procs": [[100, 1], [101, 1]],
-        "op_bytes": MOVED,
-        "alive": True,
-        "resident_bytes": MOVED,
-    }
+    e = journal_entry(
+        state="parking", op_procs=[[100, 1], [101, 1]], op_bytes=MOVED, resident_bytes=MOVED
+    )
     d.run(lambda now: d.sm.adopt_journal([e], now))
     (rec,) = d.recovers
     before = snapshot(d.sm)
@@ -487,19 +476,7 @@ def test_unreadable_memory_at_restart_counts_as_resident(
     """The server could not read the GPU (None): an idle workload's memory is unknown, so
     it is kept and parked before anything is granted, as if it held memory (a readable 0
     bytes drops it)."""
-    entry = {
-        "name": "a",
-        "gpu": 0,
-        "pid": PIDS["a"],
-        "start_time": 1.0,
-        "tree": True,
-        "park": "checkpoint",
-        "parked_max": 0,
-        "owner_uid": USER,
-        "state": "idle",
-        "alive": True,
-        "resident_bytes": resident,
-    }
+    entry = journal_entry(resident_bytes=resident)
     d = Driver(SlicerState(GPUS))
     assert d.run(lambda now: d.sm.adopt_journal([entry], now)) == out
 

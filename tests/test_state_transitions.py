@@ -19,7 +19,21 @@ from gpu_slicer.slicer.effects import Effect, Park, Restore, Verify
 from gpu_slicer.slicer.model import WState
 from gpu_slicer.slicer.readings import Census, Outcome, ParkReport, RecoverReport, RestoreReport
 from gpu_slicer.slicer.state import SlicerState
-from tests.test_state import D1, D2, GIB, GPUS, MOVED, PIDS, RA, RB, USER, Driver, fresh, setup
+from tests.test_state import (
+    D1,
+    D2,
+    GIB,
+    GPUS,
+    MOVED,
+    PIDS,
+    RA,
+    RB,
+    USER,
+    Driver,
+    fresh,
+    journal_entry,
+    setup,
+)
 from tests.test_state_policy import HALF
 
 PROC = ((PIDS["a"], 1),)
@@ -136,21 +150,9 @@ def _recovering(d: Driver) -> int:
     d.sm = SlicerState(GPUS)
     for conn in (RA, RB):
         d.connect(conn, uid=USER)
-    entry = {
-        "name": "a",
-        "gpu": 0,
-        "pid": PIDS["a"],
-        "start_time": 1.0,
-        "tree": True,
-        "park": "checkpoint",
-        "parked_max": 0,
-        "owner_uid": USER,
-        "state": "parking",
-        "op_procs": [[100, 1], [101, 1]],
-        "op_bytes": MOVED,
-        "alive": True,
-        "resident_bytes": MOVED,
-    }
+    entry = journal_entry(
+        state="parking", op_procs=[[100, 1], [101, 1]], op_bytes=MOVED, resident_bytes=MOVED
+    )
     d.run(lambda now: d.sm.adopt_journal([entry], now))
     return int(d.recovers.popleft().op)
 
