@@ -48,14 +48,29 @@ test-vllm: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m demo
 
-# The handoff micro-benchmark, then the share-efficiency scenarios and levers; regenerates
-# BENCHMARKS.md and bench/efficiency.png (bench/gpu_check.md, written by bench/gpu_check.sh
-# on a GPU machine, is included when present).
+# The handoff micro-benchmark, the dispatcher benchmark, one profiled run of each (the
+# profile summaries), then the share-efficiency scenarios and levers; regenerates
+# BENCHMARKS.md (with the hot-path targets before and after: bench/hotpath_before.json)
+# and bench/efficiency.png (bench/gpu_check.md, written by bench/gpu_check.sh on a GPU
+# machine, is included when present).
 bench: $(STAMP)
-	@out=$$(mktemp); trap 'rm -f "$$out"' EXIT; \
-	$(BIN)/python bench/handoff.py >"$$out" || { cat "$$out"; exit 1; }; \
-	cat "$$out"; \
-	$(BIN)/python bench/efficiency.py --handoff-output "$$out" --gpu-check bench/gpu_check.md \
+	@t=$$(mktemp -d); trap 'rm -rf "$$t"' EXIT; \
+	$(BIN)/python bench/handoff.py --json-file "$$t/h.json" >"$$t/h.txt" \
+		|| { cat "$$t/h.txt"; exit 1; }; \
+	cat "$$t/h.txt"; \
+	$(BIN)/python bench/dispatch.py --json-file "$$t/d.json" >"$$t/d.txt" \
+		|| { cat "$$t/d.txt"; exit 1; }; \
+	cat "$$t/d.txt"; \
+	$(BIN)/python bench/handoff.py --only handoff --cycles 300 --profile-daemon "$$t/h.prof" \
+		--json >/dev/null && \
+	$(BIN)/python bench/profile_summary.py "$$t/h.prof" --top 12 >"$$t/h.sum"; \
+	$(BIN)/python bench/dispatch.py --requests 300 --sustained 0 --burst 0 --route-requests 0 \
+		--profile-dispatcher "$$t/d.prof" --json >/dev/null && \
+	$(BIN)/python bench/profile_summary.py "$$t/d.prof" --top 12 >"$$t/d.sum"; \
+	$(BIN)/python bench/efficiency.py --handoff-output "$$t/h.txt" --gpu-check bench/gpu_check.md \
+		--hotpath-before bench/hotpath_before.json --dispatch-json "$$t/d.json" \
+		--dispatch-output "$$t/d.txt" --handoff-json "$$t/h.json" \
+		--profile-text dispatcher="$$t/d.sum" --profile-text daemon="$$t/h.sum" \
 		--markdown BENCHMARKS.md --png bench/efficiency.png
 
 # Randomized chaos scenarios (tests/chaos) for MINUTES; a summary table; exit 1 on any

@@ -66,6 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make slicer/stubs importable
     sys.path.insert(0, str(ROOT))
 
+from bench import hotpath  # noqa: E402
 from demo.proc import (  # noqa: E402
     DemoError,
     Procs,
@@ -891,6 +892,14 @@ def markdown(res: dict[str, Any], scenarios: list[Scenario]) -> str:
     add("")
     add("## Real GPU check (`bench/gpu_check.sh`)\n")
     add(res.get("gpu_check", "not run: no GPU was lent to this session.") + "\n")
+    hp = res.get("hotpath")
+    if hp:
+        for line in hotpath.markdown(hp["before"], hp.get("dispatch"), hp.get("handoff"),
+                                     res["scenarios"], hp.get("profiles", {})):  # fmt: skip
+            add(line)
+    if res.get("dispatch_text"):
+        add("## Dispatcher benchmark (`bench/dispatch.py`)\n")
+        add("```\n" + res["dispatch_text"].rstrip() + "\n```\n")
     if res.get("handoff"):
         add("## Handoff micro-benchmark (`bench/handoff.py`)\n")
         add("```\n" + res["handoff"].rstrip() + "\n```\n")
@@ -948,6 +957,14 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def _json_file(path: str | None) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when it is not given or missing."""
+    if not path or not Path(path).exists():
+        return None
+    data: dict[str, Any] = json.loads(Path(path).read_text())
+    return data
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "bench" / "scenarios.toml"))
@@ -957,6 +974,17 @@ def main() -> int:
     ap.add_argument("--png", default=str(ROOT / "bench" / "efficiency.png"))
     ap.add_argument("--handoff-output", help="a file with bench/handoff.py's output to include")
     ap.add_argument("--gpu-check", help="a file with bench/gpu_check.sh's table to include")
+    ap.add_argument("--hotpath-before", help="bench/hotpath_before.json: the before figures")
+    ap.add_argument("--dispatch-json", help="bench/dispatch.py --json-file's output")
+    ap.add_argument("--dispatch-output", help="a file with bench/dispatch.py's report")
+    ap.add_argument("--handoff-json", help="bench/handoff.py --json-file's output")
+    ap.add_argument(
+        "--profile-text",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="bench/profile_summary.py output (NAME: dispatcher or daemon)",
+    )
     args = ap.parse_args()
     t0 = time.monotonic()
     load_before = round(os.getloadavg()[0], 2)
@@ -971,6 +999,19 @@ def main() -> int:
     }
     if args.handoff_output and Path(args.handoff_output).exists():
         res["handoff"] = Path(args.handoff_output).read_text()
+    if args.hotpath_before:
+        res["hotpath"] = {
+            "before": json.loads(Path(args.hotpath_before).read_text()),
+            "dispatch": _json_file(args.dispatch_json),
+            "handoff": _json_file(args.handoff_json),
+            "profiles": {
+                name: Path(f).read_text()
+                for name, _, f in (p.partition("=") for p in args.profile_text)
+                if Path(f).exists()
+            },
+        }
+    if args.dispatch_output and Path(args.dispatch_output).exists():
+        res["dispatch_text"] = Path(args.dispatch_output).read_text()
     if args.gpu_check and Path(args.gpu_check).exists():
         res["gpu_check"] = Path(args.gpu_check).read_text()
     chart_png(Path(args.png), res["scenarios"])

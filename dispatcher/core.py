@@ -43,6 +43,13 @@ Two ways to check the weights (``slicer-dispatch --weight-check``):
 
     A failed ``/weight_info`` call is no evidence either way: the request stays pending
     like after a failed send.
+
+Batched prompts (``slicer-dispatch --batch-prompts N``): vLLM's ``/v1/completions``
+takes a list of prompts and answers choice ``index = position * n + j``.
+:func:`batch_key` says which completion samples may share one send (identical params,
+same prompt form), :func:`batch_request_body` builds the send, and :func:`split_batch`
+turns the answer into one body per sample; each is then judged by :func:`result_ok` on
+its own, exactly like the answer of a send of its own.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from __future__ import annotations
 import array
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +71,8 @@ __all__ = [
     "WEIGHT_CHECKS",
     "ParsedBody",
     "TurnPlan",
+    "batch_key",
+    "batch_request_body",
     "commit_ok",
     "lone_surrogate",
     "next_revision",
@@ -70,6 +80,7 @@ __all__ = [
     "parse_model",
     "request_body",
     "result_ok",
+    "split_batch",
     "weight_versions",
 ]
 
@@ -133,12 +144,14 @@ def _parse_prompt(prompt: object, max_tokens: int, max_bytes: int) -> array.arra
         )
     if not prompt:
         raise BadRequest("prompt must not be an empty list")
-    if any(isinstance(x, str | list) for x in prompt):
+    # The type scan runs in C (map/set); the per-item searches only name the culprit.
+    types = set(map(type, prompt))
+    if str in types or list in types:
         raise BadRequest(f"prompt is a batch of {len(prompt)} prompts; send one request per prompt")
     if len(prompt) > max_tokens:
         raise BadRequest(f"prompt has {len(prompt)} tokens, more than the limit of {max_tokens}")
-    bad = next((i for i, t in enumerate(prompt) if not _is_int(t)), None)
-    if bad is not None:
+    if types != {int}:
+        bad = next(i for i, t in enumerate(prompt) if not _is_int(t))
         raise BadRequest(f"prompt[{bad}] must be an integer token id, got {prompt[bad]!r:.50}")
     if min(prompt) < 0 or max(prompt) > _MAX_TOKEN_ID:
         raise BadRequest(f"prompt token ids must be in 0..{_MAX_TOKEN_ID}")
@@ -166,6 +179,7 @@ def _parse_messages(messages: object, max_bytes: int) -> bytes:
 
 _Path = tuple[Any, str | int] | None  # (parent path, key or index); None: the body
 _NESTED = (str, list, dict)
+_SCALARS = frozenset({int, float, bool, type(None)})  # what JSON parses to, strings aside
 
 
 def _surrogate_at(text: str) -> int | None:
@@ -203,6 +217,9 @@ def lone_surrogate(value: object) -> str | None:
             kids = [((where, k), x) for k, x in v.items() if isinstance(x, _NESTED)]
             todo += reversed(kids)
         elif isinstance(v, list):
+            # A token list (32k ints) holds no string: skip it with one C-level scan.
+            if _SCALARS.issuperset(map(type, v)):
+                continue
             kids = [((where, i), x) for i, x in enumerate(v) if isinstance(x, _NESTED)]
             todo += reversed(kids)
     return None
@@ -303,6 +320,60 @@ def request_body(p: Pending, model: str) -> dict[str, Any]:
     body["return_weight_versions"] = True
     body["stream"] = False
     return body
+
+
+def batch_key(p: Pending) -> str:
+    """What completion samples must share to go in one send: the prompt form (text or
+    token ids: a batch never mixes them) and the params, canonically encoded. Computed
+    once per :class:`Pending` and cached on it (``Pending.batch_key``).
+
+    Only for completions (a chat sample is never batched); raises TypeError/ValueError
+    when the params are no JSON (the caller then sends the sample alone)."""
+    if not p.batch_key:
+        form = "text:" if isinstance(p.prompt, bytes) else "ids:"
+        p.batch_key = form + json.dumps(p.params, sort_keys=True, separators=(",", ":"))
+    return p.batch_key
+
+
+def batch_request_body(ps: Sequence[Pending], model: str) -> dict[str, Any]:
+    """The body of ONE send for the completion samples ``ps`` (same :func:`batch_key`):
+    :func:`request_body` of the first with ``prompt`` the list of every prompt, in order."""
+    body = request_body(ps[0], model)
+    body["prompt"] = [
+        p.prompt.tolist() if isinstance(p.prompt, array.array) else (p.prompt or b"").decode()
+        for p in ps
+    ]
+    return body
+
+
+def split_batch(answer: dict[str, Any], k: int, n: int) -> list[dict[str, Any]] | None:
+    """Split vLLM's answer to a send of ``k`` prompts with ``n`` choices each into one
+    body per prompt, in order; None when its choices are not exactly indexes
+    ``0 .. k*n-1`` (each once), so no part of it can be told apart.
+
+    Body ``i`` is the answer's top-level fields as they came (``id``, ``object``,
+    ``created``, ``model``, ``usage``: the usage of the whole send, ...) with ``choices``
+    the choices ``i*n .. i*n+n-1`` renumbered ``0 .. n-1``, plus ``"batch": {"size": k,
+    "position": i}`` (so a reader can tell the usage is shared)."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != k * n:
+        return None
+    parts: list[list[dict[str, Any]]] = [[] for _ in range(k)]
+    seen: set[int] = set()
+    for c in choices:
+        i = c.get("index") if isinstance(c, dict) else None
+        if type(i) is not int or not 0 <= i < k * n or i in seen:
+            return None
+        seen.add(i)
+        parts[i // n].append(c)
+    out = []
+    for pos, part in enumerate(parts):
+        part.sort(key=lambda c: c["index"])
+        body = dict(answer)
+        body["choices"] = [{**c, "index": j} for j, c in enumerate(part)]
+        body["batch"] = {"size": k, "position": pos}
+        out.append(body)
+    return out
 
 
 def weight_versions(body: dict[str, Any]) -> list[list[dict[str, Any]]]:

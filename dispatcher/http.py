@@ -1,4 +1,5 @@
-"""The HTTP front: an OpenAI-compatible adapter over the turn loop (starlette + hypercorn).
+"""The HTTP front: an OpenAI-compatible adapter over the turn loop (starlette, served by
+the lean HTTP/1.1 server :mod:`dispatcher.httpserver`).
 
 Routes
 ------
@@ -18,6 +19,26 @@ Routes
 ``GET /v1/samples/{id}?wait=SECONDS``
     Long-poll (default 30 s, at most 300): ``{"id", "status", "revision", "pool"}`` plus
     ``"result"`` (done) or ``"error"`` (failed).
+``POST /v1/samples/batch`` ``{"requests": [body, ...]}``
+    Many ``POST /v1/samples`` bodies (``kind`` included) at once, at most ``MAX_BATCH``
+    (10,000): 202 ``{"samples": [{"id", "status": "pending", "revision"}, ...]}`` in the
+    order given, once all are journaled, in one group commit. All or nothing: an invalid
+    item answers as ``POST /v1/samples`` would (400, an unknown revision 404) with a
+    message that starts with ``requests[i]: ``, and nothing is journaled::
+
+        curl -s localhost:8100/v1/samples/batch -H 'content-type: application/json' \
+            -d '{"requests": [{"prompt": [1, 2], "max_tokens": 8}, {"prompt": "hi"}]}'
+``POST /v1/samples/results`` ``{"ids": [id, ...], "wait": SECONDS}``
+    Long-poll many (wait default 30, at most 300; at most ``MAX_BATCH`` ids): 200
+    ``{"results": [...]}``, each exactly as ``GET /v1/samples/{id}`` answers, in the
+    order of ``ids``, once every one is finished or the wait is over; an unknown id
+    404 naming it::
+
+        curl -s localhost:8100/v1/samples/results -H 'content-type: application/json' \
+            -d '{"ids": ["smp-3f0c...", "smp-81aa..."], "wait": 60}'
+
+A finished sample's ``result`` (and the body of ``/v1/completions``) is the bytes vLLM
+returned, as stored: the front neither parses nor re-encodes it.
 ``POST /v1/revisions`` ``{"revision", "path"}``
     Publish weights; 201 when new, 200 when the same pair was published before; 400 when
     ``path`` is not a readable checkpoint directory (:mod:`dispatcher.checkpoint`).
@@ -51,8 +72,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
-from hypercorn.config import Config as HyperConfig
-from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -69,12 +88,14 @@ from gpu_slicer.dispatcher.errors import (
     UnknownRevision,
 )
 from gpu_slicer.dispatcher.events import encode
+from gpu_slicer.dispatcher.httpserver import serve_asgi
 from gpu_slicer.dispatcher.model import Result
 from gpu_slicer.dispatcher.serve import LOAD_FAILED, SEND_FAILED
 from gpu_slicer.dispatcher.turns import TurnLoop
 
 __all__ = [
     "ERROR_MAP",
+    "MAX_BATCH",
     "MAX_BODY_BYTES",
     "build_app",
     "error_response",
@@ -85,6 +106,7 @@ __all__ = [
 log = logging.getLogger("dispatcher.http")
 
 MAX_BODY_BYTES = 64 << 20
+MAX_BATCH = 10_000  # requests of one POST /v1/samples/batch, ids of one /results
 MAX_WAIT_S = 300.0
 DEFAULT_WAIT_S = 30.0
 SSE_KEEPALIVE_S = 15.0
@@ -187,6 +209,58 @@ def _chunks(kind: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _kind_of(body: dict[str, Any]) -> str:
+    """The ``kind`` of a ``POST /v1/samples`` body, taken out of it (default: "chat"
+    with ``messages``, else "completion")."""
+    kind = body.pop("kind", None)
+    if kind is None:
+        kind = "chat" if "messages" in body else "completion"
+    if not isinstance(kind, str):
+        raise BadRequest(f"kind must be 'completion' or 'chat', got {kind!r:.50}")
+    return kind
+
+
+def _list_field(body: dict[str, Any], key: str) -> list[Any]:
+    """``body[key]``: a list of at most ``MAX_BATCH`` items, else BadRequest."""
+    if key not in body:
+        raise BadRequest(f"missing field {key!r}")
+    items = body[key]
+    if not isinstance(items, list):
+        raise BadRequest(f"{key} must be a list, got {type(items).__name__}")
+    if len(items) > MAX_BATCH:
+        raise BadRequest(f"{key} has {len(items)} items, more than the limit of {MAX_BATCH}")
+    return items
+
+
+def _wait(raw: str) -> float:
+    """A long-poll's ``wait`` (seconds, >= 0), capped at ``MAX_WAIT_S``."""
+    try:
+        wait = float(raw)
+    except ValueError:
+        raise BadRequest(f"wait must be a number of seconds, got {raw!r:.50}") from None
+    if not math.isfinite(wait) or wait < 0:
+        raise BadRequest(f"wait must be a number of seconds >= 0, got {raw!r:.50}")
+    return min(wait, MAX_WAIT_S)
+
+
+def _sample_json(result: Result) -> bytes:
+    """``GET /v1/samples/{id}``'s answer for ``result``: ``{"id", "status", "revision",
+    "pool"}`` plus ``"result"`` (vLLM's body, its stored bytes as-is) or ``"error"``."""
+    out: dict[str, Any] = {
+        "id": result.id,
+        "status": result.status,
+        "revision": result.revision,
+        "pool": result.pool,
+    }
+    if result.status == "failed":
+        out["error"] = result.error
+    head = json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    if result.status != "done":
+        return head
+    raw = result.raw if result.raw is not None else b"null"
+    return head[:-1] + b',"result":' + raw + b"}"
+
+
 def _sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
@@ -203,13 +277,15 @@ def build_app(loop: TurnLoop) -> Starlette:
     async def generate(request: Request, kind: str) -> Response:
         body = await _json_object(request)
         stream = body.get("stream") is True
-        p = loop.accept(kind, body)
+        p = await loop.accept(kind, body)
         headers = {"x-sample-id": p.id}
         if not stream:
             result = await wait_whole(p.id, p.deadline)
             if result.status == "failed":
                 raise _failure(result)
-            return JSONResponse(result.body, headers=headers)
+            # vLLM's own bytes, as stored: never parsed or encoded again here.
+            raw = result.raw if result.raw is not None else b"null"
+            return Response(content=raw, media_type="application/json", headers=headers)
 
         async def events() -> AsyncIterator[bytes]:
             while True:
@@ -241,36 +317,44 @@ def build_app(loop: TurnLoop) -> Starlette:
 
     async def submit(request: Request) -> Response:
         body = await _json_object(request)
-        kind = body.pop("kind", None)
-        if kind is None:
-            kind = "chat" if "messages" in body else "completion"
-        if not isinstance(kind, str):
-            raise BadRequest(f"kind must be 'completion' or 'chat', got {kind!r:.50}")
-        p = loop.accept(kind, body)
+        kind = _kind_of(body)
+        p = await loop.accept(kind, body)
         return JSONResponse(
             {"id": p.id, "status": "pending", "revision": p.revision}, status_code=202
         )
 
+    async def submit_batch(request: Request) -> Response:
+        items = _list_field(await _json_object(request), "requests")
+        requests: list[tuple[str, Any]] = []
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                what = type(item).__name__
+                raise BadRequest(f"requests[{i}]: request body must be a JSON object, got {what}")
+            try:
+                requests.append((_kind_of(item), item))
+            except BadRequest as e:
+                raise BadRequest(f"requests[{i}]: {e}") from None
+        accepted = await loop.accept_many(requests)
+        out = [{"id": p.id, "status": "pending", "revision": p.revision} for p in accepted]
+        return JSONResponse({"samples": out}, status_code=202)
+
     async def sample(request: Request) -> Response:
-        raw = request.query_params.get("wait", str(DEFAULT_WAIT_S))
-        try:
-            wait = float(raw)
-        except ValueError:
-            raise BadRequest(f"wait must be a number of seconds, got {raw!r:.50}") from None
-        if not math.isfinite(wait) or wait < 0:
-            raise BadRequest(f"wait must be a number of seconds >= 0, got {raw!r:.50}")
-        result = await loop.wait_result(request.path_params["id"], min(wait, MAX_WAIT_S))
-        out: dict[str, Any] = {
-            "id": result.id,
-            "status": result.status,
-            "revision": result.revision,
-            "pool": result.pool,
-        }
-        if result.status == "done":
-            out["result"] = result.body
-        elif result.status == "failed":
-            out["error"] = result.error
-        return JSONResponse(out)
+        wait = _wait(request.query_params.get("wait", str(DEFAULT_WAIT_S)))
+        result = await loop.wait_result(request.path_params["id"], wait)
+        return Response(content=_sample_json(result), media_type="application/json")
+
+    async def results(request: Request) -> Response:
+        body = await _json_object(request)
+        ids = _list_field(body, "ids")
+        for i, id in enumerate(ids):
+            if not isinstance(id, str):
+                raise BadRequest(f"ids[{i}] must be a sample id (a string), got {id!r:.50}")
+        wait = body.get("wait", DEFAULT_WAIT_S)
+        if isinstance(wait, bool) or not isinstance(wait, int | float | str):
+            raise BadRequest(f"wait must be a number of seconds, got {wait!r:.50}")
+        got = await loop.wait_results(ids, _wait(str(wait)))
+        content = b'{"results":[' + b",".join(_sample_json(r) for r in got) + b"]}"
+        return Response(content=content, media_type="application/json")
 
     async def publish(request: Request) -> Response:
         body = await _json_object(request)
@@ -324,6 +408,8 @@ def build_app(loop: TurnLoop) -> Starlette:
         Route("/v1/completions", guard(completions), methods=["POST"]),
         Route("/v1/chat/completions", guard(chat), methods=["POST"]),
         Route("/v1/samples", guard(submit), methods=["POST"]),
+        Route("/v1/samples/batch", guard(submit_batch), methods=["POST"]),
+        Route("/v1/samples/results", guard(results), methods=["POST"]),
         Route("/v1/samples/{id}", guard(sample), methods=["GET"]),
         Route("/v1/revisions", guard(publish), methods=["POST"]),
         Route("/v1/revisions", guard(revisions), methods=["GET"]),
@@ -358,6 +444,8 @@ def render_metrics(loop: TurnLoop) -> str:
     metric("loads_total", "counter", "Whole weight loads done.", [("", c.loads)])
     metric("load_failures_total", "counter", "Weight loads that broke.", [("", c.load_failures)])
     metric("sends_total", "counter", "Requests sent to the replica.", [("", c.sends)])
+    metric("batched_samples_total", "counter", "Samples sent in a batch of prompts.",
+           [("", c.batched_samples)])  # fmt: skip
     metric("send_errors_total", "counter", "Sends ended by an unexpected error.",
            [("", c.send_errors)])  # fmt: skip
     damaged = 1.0 if st["store"]["damaged"] else 0.0
@@ -384,10 +472,4 @@ async def serve_http(
     requests still open (event streams, long-polls) get up to ``grace`` seconds, then
     are cut. A caller with more to tell them first (the dispatcher ends its turn) gives
     a ``grace`` that covers it and cancels this task itself once it is done."""
-    conf = HyperConfig()
-    conf.bind = [bind]
-    conf.accesslog = None
-    conf.graceful_timeout = grace  # hypercorn's deadline for open connections after shutdown
-    conf.loglevel = "WARNING"  # "Running on ..." is printed by main as "listening on ..."
-    asgi: Any = app  # hypercorn's ASGI types are narrower than starlette's
-    await hypercorn_serve(asgi, conf, shutdown_trigger=shutdown.wait, task_status=task_status)
+    await serve_asgi(app, bind, shutdown, grace=grace, task_status=task_status)

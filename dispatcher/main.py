@@ -3,7 +3,7 @@
     slicer-dispatch --workload sampler --replica http://127.0.0.1:8000 \\
         [--socket S] [--state-dir D] [--pool NAME] [--listen HOST:PORT | --listen-unix PATH]
         [--weight-check spans|label] [--max-send-errors N] [--max-load-failures N]
-        [--no-check-revision-paths]
+        [--no-check-revision-paths] [--sync normal|full] [--batch-prompts N]
 
 ``--weight-check`` says how a result is tied to the weights it asked for (the commit
 rule in :mod:`dispatcher.core`): ``spans`` (default) needs vLLM 0.33 or later, which
@@ -14,6 +14,22 @@ check is weaker (a weight change undone during a request goes unseen, and it tru
 nothing else loads weights into the replica during a turn). With ``spans`` against a vLLM
 that returns no ``weight_versions`` nothing is ever committed; the dispatcher logs one
 error saying so and ``/status`` shows the rule in use as ``weight_check``.
+
+``--batch-prompts N`` (default 1: one request per sample) packs up to N pending
+completion samples of the revision being served that have identical parameters and the
+same prompt form (text or token ids) into ONE ``POST /v1/completions`` with a list of
+prompts; the answer is split per sample, each part judged and committed on its own. Each
+sample's result is the answer's top-level fields with its own choices (renumbered from 0),
+the ``usage`` of the whole send, and ``"batch": {"size": K, "position": I}``. A batch vLLM
+refuses (400/422) is sent again one sample per request, so a bad prompt fails alone with
+vLLM's own error. Chat samples are never batched. ``--concurrency`` bounds the sends in
+flight (a batch is one). See :mod:`dispatcher.serve`.
+
+``--sync`` is SQLite's ``PRAGMA synchronous`` for the store: ``normal`` (default) loses
+nothing acknowledged on a process crash, but a power loss may drop the commits since the
+WAL was last synced; ``full`` syncs at every commit, so a power loss loses nothing
+acknowledged either, at one fsync per group commit (not per request; see
+:mod:`dispatcher.store`).
 
 One dispatcher per state dir: it takes an exclusive lock on ``STATE_DIR/dispatch.lock``
 (holding its pid) before it opens the store; a second one on the same dir exits 1 with
@@ -46,14 +62,14 @@ from gpu_slicer.dispatcher.model import (
     TurnConfig,
 )
 from gpu_slicer.dispatcher.owner import StateLock
-from gpu_slicer.dispatcher.store import Store
+from gpu_slicer.dispatcher.store import SYNC_MODES, Store
 from gpu_slicer.dispatcher.turns import TurnLoop
 from gpu_slicer.dispatcher.vllm import Replica
 
 log = logging.getLogger("dispatcher")
 
 EVENTS_CLOSE_GRACE_S = 1.0  # at a stop, for readers of GET /v1/events to get "closed"
-SHUTDOWN_MARGIN_S = 5.0  # hypercorn's own cut comes this long after ours would
+SHUTDOWN_MARGIN_S = 5.0  # the front's own cut (its grace) comes this long after ours would
 
 
 async def _run(store: Store, replica_url: str, cfg: TurnConfig, bind: str) -> None:
@@ -119,6 +135,12 @@ def _bind(listen: str | None, listen_unix: str | None) -> str:
 @click.option("--check-revision-paths/--no-check-revision-paths", default=True,
               show_default=True, help="publish only readable checkpoint dirs (off: the "
               "replica's file system is not this one's)")  # fmt: skip
+@click.option("--sync", "sync", type=click.Choice(SYNC_MODES), default="normal",
+              show_default=True, help="SQLite synchronous mode: 'full' also survives a power "
+              "loss, at one fsync per group commit")  # fmt: skip
+@click.option("--batch-prompts", type=click.IntRange(1, 256), default=1, show_default=True,
+              help="completion samples with identical parameters sent in one request as a "
+              "list of prompts (1: one request per sample); chat samples go alone")  # fmt: skip
 @click.option("--log-level", default="info", show_default=True)
 def main(
     workload: str,
@@ -137,6 +159,8 @@ def main(
     max_send_errors: int,
     max_load_failures: int,
     check_revision_paths: bool,
+    sync: str,
+    batch_prompts: int,
     log_level: str,
 ) -> None:
     """Hold sampling requests durably and serve them in the replica's GPU turns."""
@@ -145,7 +169,7 @@ def main(
         level=log_level.upper(),
         format=f"%(asctime)s slicer-dispatch[{os.getpid()}] %(levelname)s %(message)s",
     )
-    for name in ("httpx", "httpcore", "hypercorn"):
+    for name in ("httpx", "httpcore", "dispatcher.httpserver"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
         lock = StateLock.acquire(state_dir)  # before _bind: it may unlink the owner's socket
@@ -165,10 +189,11 @@ def main(
             max_send_errors=max_send_errors,
             max_load_failures=max_load_failures,
             check_revision_paths=check_revision_paths,
+            batch_prompts=batch_prompts,
         )
         log.info("weight check: %s", weight_check)
         try:
-            store = Store(state_dir, pool or workload)
+            store = Store(state_dir, pool or workload, synchronous=sync)
         except DispatchError as e:
             raise click.ClickException(str(e)) from e
         try:

@@ -2,8 +2,8 @@
 
 Everything here is plain data: no I/O, no trio, no clock. The other modules import it
 and it imports none of them but :mod:`dispatcher.errors`, so the imports of the package
-run one way: ``errors <- model <- core <- store <- serve <- turns <- http <- main``
-(``events`` imports none of them).
+run one way: ``errors <- model <- core <- store <- journal <- serve <- turns <- http
+<- main`` (``events`` imports none of them).
 
 Phases (theory of operation)
 ----------------------------
@@ -34,9 +34,11 @@ anything changes.
 from __future__ import annotations
 
 import array
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from gpu_slicer.dispatcher.errors import IllegalTransition
@@ -130,13 +132,14 @@ class TurnConfig:
     max_send_errors: int = MAX_SEND_ERRORS
     max_load_failures: int = MAX_LOAD_FAILURES
     check_revision_paths: bool = True  # publish refuses a path that is no checkpoint dir
+    batch_prompts: int = 1  # completion samples per send (dispatcher.serve); 1: one each
 
     def __post_init__(self) -> None:
         if self.weight_check not in WEIGHT_CHECKS:
             raise ValueError(
                 f"weight_check must be one of {WEIGHT_CHECKS}, got {self.weight_check!r}"
             )
-        for name in ("max_send_errors", "max_load_failures"):
+        for name in ("max_send_errors", "max_load_failures", "batch_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
 
@@ -164,18 +167,29 @@ class Pending:
     accepted_at: float  # wall clock, time.time()
     deadline: float  # wall clock
     attempts: int
+    # core.batch_key's cache ("": not computed yet); no part of the request itself.
+    batch_key: str = field(default="", init=False, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
 class Result:
-    """What :meth:`Store.get <dispatcher.store.Store.get>` knows about a sample id."""
+    """What :meth:`Store.get <dispatcher.store.Store.get>` knows about a sample id.
+
+    ``raw`` is the result's body (done) as the bytes vLLM returned, stored as they came:
+    the front answers with them as-is; :attr:`body` parses them, once, when asked."""
 
     id: str
     status: str  # "pending" | "done" | "failed"
-    body: dict[str, Any] | None
+    raw: bytes | None
     error: str | None
     revision: str
     pool: str
+
+    @cached_property
+    def body(self) -> dict[str, Any] | None:
+        """The result's body as JSON (parsed from :attr:`raw` on first use), else None."""
+        body: dict[str, Any] | None = None if self.raw is None else json.loads(self.raw)
+        return body
 
 
 @dataclass
@@ -186,7 +200,8 @@ class Counters:
     turn_errors: int = 0
     loads: int = 0
     load_failures: int = 0
-    sends: int = 0
+    sends: int = 0  # HTTP sends of generation requests (a batch of prompts is one)
+    batched_samples: int = 0  # samples sent in a batch of more than one prompt
     commits: int = 0
     expired: int = 0
     refused_by_replica: int = 0

@@ -23,13 +23,40 @@ Inside a turn (:meth:`Serving.serve`)::
            serving began, or the replica failed
     grace  sends in flight get turn_grace, then are cancelled (they stay pending)
 
+Every write goes through the loop's :class:`~dispatcher.journal.Journal` (group commit):
+a send's count is written with the next group, and a result (done or failed) is queued
+and counts (``committed``, waiters woken) only once its group committed. Meanwhile the
+sample is not sent again; if the group fails it stays pending and is sent again after
+``RETRY_AFTER_S``, like a failed send. The body stored is vLLM's response as it came
+(:meth:`Replica.complete_raw <dispatcher.vllm.Replica.complete_raw>`), never re-encoded
+(but for the samples of a batch: each part is encoded once, below).
+
+Batched prompts (``TurnConfig.batch_prompts``, ``--batch-prompts N``; default 1: one
+send per sample, exactly as described above). With N > 1, :meth:`Serving._fill` packs up
+to N sendable *completion* samples of the revision served that share core.batch_key
+(identical params, the same prompt form: text or token ids, never mixed) into ONE send,
+``prompt`` a list (core.batch_request_body); ``concurrency`` bounds sends, a batch is
+one. Each member has its own in-flight entry, all under the batch's one cancel scope:
+expiring one member cancels the send, and the others, still pending, go in the next
+fill. The answer is split by core.split_batch (an answer whose choices cannot be split
+counts as reject ``choices`` for every member); each part is judged by core.result_ok
+on its own and committed through the journal as its own bytes (the answer's top-level
+fields, its own choices renumbered from 0, the whole send's ``usage`` and ``"batch":
+{"size": K, "position": I}``). A 400/422 cannot say which prompt is bad: nothing fails;
+the members are marked to be sent alone and go at once (reject ``batch_refused``), so a
+bad prompt then fails alone with vLLM's error. A 5xx or no answer marks the replica
+failed as for one sample; an unexpected error sends the members alone from then on. In
+``"label"`` mode one ``/weight_info`` read follows each batch answer. Chat samples are
+never batched. ``Counters.sends`` counts HTTP sends, ``Counters.batched_samples`` the
+samples sent in batches.
+
 A rejected or failed send is retried after ``RETRY_AFTER_S``; vLLM's own 400/422 fails
 the request for good (retrying cannot help); a 5xx or no answer marks the replica failed,
 which ends the turn (and the next one starts with a recovery).
 
 No request can take the loop down: any other error while sending one request (a bug, a
-row stored by an older release that cannot be encoded, a store error while counting the
-attempt) fails that send only; the request is retried after ``RETRY_AFTER_S``, and after
+row stored by an older release that cannot be encoded) fails that send only; the request
+is retried after ``RETRY_AFTER_S``, and after
 ``TurnConfig.max_send_errors`` such errors (``model.MAX_SEND_ERRORS``, ``--max-send-errors``) it
 is failed with an error that starts with ``SEND_FAILED`` and names the sample, pool,
 revision and the last error.
@@ -60,6 +87,7 @@ cause (a vLLM older than 0.33) and the fix (``--weight-check label``).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -69,13 +97,17 @@ import trio
 
 from gpu_slicer.dispatcher.core import (
     TurnPlan,
+    batch_key,
+    batch_request_body,
     next_revision,
     request_body,
     result_ok,
+    split_batch,
     weight_versions,
 )
-from gpu_slicer.dispatcher.errors import DispatchError, NotFound, ReplicaError, StoreError
+from gpu_slicer.dispatcher.errors import DispatchError, ReplicaError, StoreError
 from gpu_slicer.dispatcher.events import EventStream
+from gpu_slicer.dispatcher.journal import Journal
 from gpu_slicer.dispatcher.model import (
     Counters,
     LoadBackoff,
@@ -153,8 +185,10 @@ class Serving:
         counters: Counters,
         events: EventStream,
         enter: Callable[[Phase], None],
+        journal: Journal | None = None,
     ) -> None:
         self.store = store
+        self.journal = journal or Journal(store)
         self.replica = replica
         self.cfg = cfg
         self.counters = counters
@@ -167,6 +201,8 @@ class Serving:
         self._told_no_weight_versions = False  # the error is logged once per loop
         self._send_errors: dict[str, int] = {}  # id -> unexpected errors of its sends
         self._load_backoff: dict[str, LoadBackoff] = {}  # revision -> its failed loads
+        self._sends = 0  # HTTP sends in flight (a batch of prompts is one)
+        self._alone: set[str] = set()  # ids never batched again (a batch of theirs was refused)
 
     # -- waiting ---------------------------------------------------------------------
 
@@ -191,9 +227,21 @@ class Serving:
             result = self.store.get(id)
         return result
 
+    async def wait_results(self, ids: list[str], timeout: float) -> list[Result]:
+        """The samples ``ids`` in order, once every one is finished or ``timeout`` s
+        passed; :class:`NotFound` naming the first unknown id, before any wait."""
+        results = [self.store.get(id) for id in ids]
+        if timeout > 0 and any(r.status == "pending" for r in results):
+            with trio.move_on_after(timeout):
+                for r in results:
+                    if r.status == "pending" and self.store.is_pending(r.id):
+                        await self._finished.setdefault(r.id, trio.Event()).wait()
+            results = [self.store.get(id) for id in ids]
+        return results
+
     @property
     def in_flight(self) -> int:
-        """How many sends are in flight now."""
+        """How many samples are in flight now (each member of a batch counts)."""
         return len(self._in_flight)
 
     def load_backoff(self, now: float) -> dict[str, dict[str, Any]]:
@@ -231,6 +279,7 @@ class Serving:
     def _done(self, id: str) -> None:
         self._retry_at.pop(id, None)
         self._send_errors.pop(id, None)
+        self._alone.discard(id)
         event = self._finished.pop(id, None)
         if event is not None:
             event.set()
@@ -238,7 +287,12 @@ class Serving:
     # -- serving ---------------------------------------------------------------------
 
     def _sendable(self, p: Pending, now: float) -> bool:
-        return p.id not in self._in_flight and self._retry_at.get(p.id, 0.0) <= now
+        # A result waiting for its group commit is not sent again (dispatcher.journal).
+        return (
+            p.id not in self._in_flight
+            and self._retry_at.get(p.id, 0.0) <= now
+            and not self.journal.queued(p.id)
+        )
 
     def _loadable(self, revision: str, now: float) -> bool:
         """Whether ``revision`` may be served now: loaded, or not backed off."""
@@ -261,7 +315,7 @@ class Serving:
         loaded = self.replica.known_version
         want = next_revision(revs, loaded)
         stuck = want is not None and want == loaded and not self._in_flight
-        if stuck and not any(self._sendable(p, now) for p in self.store.pending(loaded)):
+        if stuck and not any(self._sendable(p, now) for p in self.store.iter_pending(loaded or "")):
             others = [r for r in revs if r != loaded]
             return others[0] if others else want
         return want
@@ -375,26 +429,87 @@ class Serving:
             f"{self.replica.base_url} (workload {self.cfg.workload}) refused {b.refused} loads "
             f"of {path} in a row; last error: {e}"
         )
-        failed = self.store.pending(revision)
+        failed = [p for p in self.store.pending(revision) if not self.journal.queued(p.id)]
         log.error("%s; failing its %d pending request(s)", msg, len(failed))
         for p in failed:
-            self.store.fail(p.id, msg)
-            self._failed_event(p, msg)
-            self._done(p.id)
+            self._fail(p, msg)
         del self._load_backoff[revision]  # a later request starts afresh (the path may be back)
 
     def _fill(self, sends: trio.Nursery, cur: TurnState, revision: str, now: float) -> None:
-        free = self.cfg.concurrency - len(self._in_flight)
+        free = self.cfg.concurrency - self._sends
         if free <= 0:
             return
-        for p in self.store.pending(revision):
+        size = self.cfg.batch_prompts
+        if size <= 1:
+            for p in self.store.iter_pending(revision):
+                if free <= 0:
+                    break
+                if self._sendable(p, now):
+                    self._start(sends, cur, [p])
+                    free -= 1
+            return
+        # Up to `free` sends of up to `size` samples; the scan ends after `free * size`
+        # sendable ones (those in flight sit at the front), not at the end of the queue.
+        groups: dict[str, list[Pending]] = {}
+        budget = free * size
+        for p in self.store.iter_pending(revision):
+            if free <= 0 or budget <= 0:
+                break
+            if not self._sendable(p, now):
+                continue
+            budget -= 1
+            key = self._batch_key(p)
+            if key is None:
+                self._start(sends, cur, [p])
+                free -= 1
+                continue
+            group = groups.setdefault(key, [])
+            group.append(p)
+            if len(group) == size:
+                del groups[key]
+                self._start(sends, cur, group)
+                free -= 1
+        for group in groups.values():  # the partial batches, oldest first
             if free <= 0:
                 break
-            if self._sendable(p, now):
-                scope = trio.CancelScope()
-                self._in_flight[p.id] = scope
-                sends.start_soon(self._send, cur, p, scope, self.replica.epoch)
-                free -= 1
+            self._start(sends, cur, group)
+            free -= 1
+
+    def _batch_key(self, p: Pending) -> str | None:
+        """``p``'s core.batch_key, or None when it is sent alone (a chat, a member of a
+        refused batch, params that are no JSON)."""
+        if p.kind != "completion" or p.prompt is None or p.id in self._alone:
+            return None
+        try:
+            return batch_key(p)
+        except (TypeError, ValueError):
+            return None
+
+    def _start(self, sends: trio.Nursery, cur: TurnState, ps: list[Pending]) -> None:
+        # One scope for the send, under every member: expiring one cancels the send.
+        scope = trio.CancelScope()
+        for p in ps:
+            self._in_flight[p.id] = scope
+        self._sends += 1
+        sends.start_soon(self._send_group, cur, ps, scope, self.replica.epoch)
+
+    async def _send_group(
+        self, cur: TurnState, ps: list[Pending], scope: trio.CancelScope, epoch: int
+    ) -> None:
+        """Send ``ps`` (one sample, or a batch of them) once in turn ``cur`` under
+        ``scope``: :meth:`_send` for one, :meth:`_send_batch` for more."""
+        try:
+            live = [p for p in ps if self.store.is_pending(p.id)] if len(ps) > 1 else ps
+            if len(live) == 1:
+                await self._send(cur, live[0], scope, epoch)
+            elif live:
+                await self._send_batch(cur, live, scope, epoch)
+        finally:
+            self._sends -= 1
+            for p in ps:
+                if self._in_flight.get(p.id) is scope:
+                    del self._in_flight[p.id]
+            self.signal()
 
     async def _send(self, cur: TurnState, p: Pending, scope: trio.CancelScope, epoch: int) -> None:
         """Send ``p`` once in turn ``cur``; commit the answer only if core.result_ok says
@@ -409,18 +524,28 @@ class Serving:
             self._in_flight.pop(p.id, None)
             self.signal()
 
+    async def _send_batch(
+        self, cur: TurnState, ps: list[Pending], scope: trio.CancelScope, epoch: int
+    ) -> None:
+        """:meth:`_send` of a batch: any error but a cancellation ends this send only
+        (:meth:`_batch_error`)."""
+        with scope:
+            try:
+                await self._batch_once(cur, ps, epoch)
+            except Exception as e:  # ReplicaError is handled inside: this is the rest
+                self._batch_error(ps, e)
+
     async def _send_once(self, cur: TurnState, p: Pending, epoch: int) -> None:
-        try:
-            self.store.attempt(p.id)
-        except NotFound:
+        if not self.store.is_pending(p.id):
             return  # finished (expired) meanwhile
+        self.journal.attempt(p)  # written with the next group (dispatcher.journal)
         self.counters.sends += 1
         body = request_body(p, self.cfg.model or "")
         if not self.cfg.model:
             del body["model"]  # vLLM serves its only model
         timeout = max(1.0, p.deadline - time.time())
         try:
-            answer = await self.replica.complete(p.kind, body, timeout)
+            raw, answer = await self.replica.complete_raw(p.kind, body, timeout)
         except ReplicaError as e:
             self._send_failed(cur, p, e)
             return
@@ -433,7 +558,83 @@ class Serving:
             except ReplicaError as e:
                 self._send_failed(cur, p, e, refusal=False)
                 return
-        self._judge(cur, p, answer, epoch, label)
+        self._judge(cur, p, raw, answer, epoch, label)
+
+    async def _batch_once(self, cur: TurnState, ps: list[Pending], epoch: int) -> None:
+        """One send of the completion samples ``ps`` (same core.batch_key); the answer is
+        split (core.split_batch) and each part judged and committed on its own."""
+        k = len(ps)
+        for p in ps:
+            self.journal.attempt(p)
+        self.counters.sends += 1
+        self.counters.batched_samples += k
+        body = batch_request_body(ps, self.cfg.model or "")
+        if not self.cfg.model:
+            del body["model"]
+        # The latest deadline: an earlier one expires its sample, which cancels the send.
+        last = max(p.deadline for p in ps)
+        timeout = max(1.0, last - time.time())
+        try:
+            _, answer = await self.replica.complete_raw("completion", body, timeout)
+        except ReplicaError as e:
+            self._batch_failed(cur, ps, e)
+            return
+        label: str | None = None
+        if self.cfg.weight_check == "label" and any(self.store.is_pending(p.id) for p in ps):
+            # Still in flight (no load can start): one label read for the whole batch.
+            bound = min(CONTROL_TIMEOUT_S, max(1.0, last - time.time()))
+            try:
+                label = await self.replica.weight_version(bound)
+            except ReplicaError as e:
+                self._batch_failed(cur, ps, e, refusal=False)
+                return
+        parts = split_batch(answer, k, ps[0].params.get("n") or 1)
+        if parts is None:
+            self.counters.rejects["choices"] += k
+            retry_at = trio.current_time() + RETRY_AFTER_S
+            for p in ps:
+                self._retry_at[p.id] = retry_at
+            log.warning("batch of %d (revision %s, first %s): its choices cannot be split by "
+                        "prompt; not committed, they stay pending", k, ps[0].revision,
+                        ps[0].id)  # fmt: skip
+            return
+        for p, part in zip(ps, parts, strict=True):
+            own = json.dumps(part, ensure_ascii=False, separators=(",", ":")).encode()
+            self._judge(cur, p, own, part, epoch, label)
+
+    def _batch_failed(
+        self, cur: TurnState, ps: list[Pending], e: ReplicaError, *, refusal: bool = True
+    ) -> None:
+        """A batch send (or, ``refusal`` False, its ``/weight_info`` check) failed. vLLM's
+        400/422 cannot say which prompt it refused: every member is sent alone at once, so
+        a bad one then fails alone with vLLM's own error. Otherwise as :meth:`_send_failed`
+        for each member (a 5xx or no answer marks the replica failed)."""
+        live = [p for p in ps if self.store.is_pending(p.id)]
+        if refusal and e.status in _PERMANENT:
+            self.counters.rejects["batch_refused"] += len(live)
+            self._alone.update(p.id for p in live)
+            log.info("batch of %d (revision %s) refused (HTTP %s: %s); each is sent alone",
+                     len(ps), ps[0].revision, e.status, e)  # fmt: skip
+            return
+        self.counters.rejects["error"] += len(live)
+        retry_at = trio.current_time() + RETRY_AFTER_S
+        for p in live:
+            self._retry_at[p.id] = retry_at
+        log.warning("batch of %d (revision %s, first %s): send failed (%s); they stay pending",
+                    len(ps), ps[0].revision, ps[0].id, e)  # fmt: skip
+        if e.status is None or e.status >= 500:
+            cur.replica_failed = str(e)
+            self.signal()
+
+    def _batch_error(self, ps: list[Pending], e: Exception) -> None:
+        """An unexpected error ended a batch send: its members are sent alone from now on,
+        where :meth:`_send_error` counts and bounds each one's errors."""
+        self.counters.send_errors += 1
+        trace = None if isinstance(e, DispatchError) else e
+        log.error("batch of %d (revision %s, first %s) failed (%s: %s); each is sent alone",
+                  len(ps), ps[0].revision, ps[0].id, type(e).__name__, e,
+                  exc_info=trace)  # fmt: skip
+        self._alone.update(p.id for p in ps if self.store.is_pending(p.id))
 
     def _send_error(self, p: Pending, e: Exception) -> None:
         """An unexpected error ended a send of ``p``: retry it later, and fail it after
@@ -453,30 +654,64 @@ class Serving:
             f"be sent {n} times; last error: {what}"
         )
         log.error("%s", msg, exc_info=trace)
-        try:
-            self.store.fail(p.id, msg)
-        except StoreError as se:
-            log.error("%s: cannot store its failure (%s); tried again later", p.id, se)
+        self._fail(p, msg)
+
+    def _fail(self, p: Pending, error: str) -> None:
+        """Fail ``p`` with ``error`` through the journal: once committed it is published
+        and its waiters are woken; if the commit failed it stays pending (sent again)."""
+
+        def stored(ok: bool) -> None:
+            if ok:
+                self._failed_event(p, error)
+            self._done(p.id)
+            self.signal()
+
+        def not_stored(e: StoreError) -> None:
+            log.error("%s: cannot store its failure (%s); tried again later", p.id, e)
             self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
-            return
-        self._failed_event(p, msg)
-        self._done(p.id)
+            self.signal()
+
+        self.journal.finish(p.id, "failed", error=error, on_stored=stored, on_error=not_stored)
+
+    def _commit(self, cur: TurnState, p: Pending, raw: bytes) -> None:
+        """Store ``raw`` (vLLM's body, as it came) as ``p``'s result through the journal:
+        once committed it counts, is published (``committed``) and its waiters are woken;
+        if the commit failed, ``p`` stays pending and is sent again later."""
+        n = cur.turn.turn
+
+        def stored(ok: bool) -> None:
+            if ok:
+                self.counters.commits += 1
+                self.events.publish("committed", turn=n, id=p.id, revision=p.revision,
+                                    commits=self.counters.commits,
+                                    pending=self.store.counts()["pending"])  # fmt: skip
+            self._done(p.id)
+            self.signal()
+
+        def not_stored(e: StoreError) -> None:
+            log.error("%s (revision %s): result not stored (%s); stays pending, sent again "
+                      "later", p.id, p.revision, e)  # fmt: skip
+            self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
+            self.signal()
+
+        self.journal.finish(p.id, "done", raw=raw, on_stored=stored, on_error=not_stored)
 
     def _judge(
-        self, cur: TurnState, p: Pending, answer: dict[str, Any], epoch: int, label: str | None
+        self,
+        cur: TurnState,
+        p: Pending,
+        raw: bytes,
+        answer: dict[str, Any],
+        epoch: int,
+        label: str | None,
     ) -> None:
-        """Commit ``answer`` as ``p``'s result if core.result_ok says so (``label``: the
-        ``/weight_info`` label read after it in label mode, else None)."""
-        if not self.store.is_pending(p.id):
+        """Commit ``answer`` (``raw``: its bytes) as ``p``'s result if core.result_ok says
+        so (``label``: the ``/weight_info`` label read after it in label mode, else None)."""
+        if not self.store.is_pending(p.id) or self.journal.queued(p.id):
             return
         loaded = self.replica.known_version or ""
         if result_ok(p, answer, loaded, epoch, self.replica.epoch, label):
-            self.store.complete(p.id, answer)  # as vLLM returned it
-            self.counters.commits += 1
-            self.events.publish("committed", turn=cur.turn.turn, id=p.id, revision=p.revision,
-                                commits=self.counters.commits,
-                                pending=self.store.counts()["pending"])  # fmt: skip
-            self._done(p.id)
+            self._commit(cur, p, raw)  # as vLLM returned it
             return
         reason = _reject_reason(answer, p, epoch, self.replica.epoch, label)
         self.counters.rejects[reason] += 1
@@ -500,10 +735,7 @@ class Serving:
         ``refusal`` vLLM's 400/422 fails the request for good; a failed check never does."""
         if refusal and e.status in _PERMANENT and self.store.is_pending(p.id):
             self.counters.refused_by_replica += 1
-            error = f"refused by the replica (HTTP {e.status}): {e}"
-            self.store.fail(p.id, error)
-            self._failed_event(p, error)
-            self._done(p.id)
+            self._fail(p, f"refused by the replica (HTTP {e.status}): {e}")
             return
         self.counters.rejects["error"] += 1
         self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S

@@ -2,14 +2,38 @@
 
 Theory of operation
 -------------------
-One SQLite database, ``<state_dir>/dispatch.db`` (WAL, ``synchronous=NORMAL``, busy
-timeout), holds two tables: the weight revisions the trainer published and the
-samples. A sample row is inserted and committed by :meth:`Store.accept` *before* the
-caller sees its id, so an acknowledged request survives a dispatcher crash (WAL with
-``synchronous=NORMAL`` survives a process crash; only a power cut may drop the last
-commits). Its status then moves exactly once from ``pending`` to ``done`` or
-``failed`` (an ``UPDATE ... WHERE status = 'pending'``), which makes storing a result
-idempotent: the second store finds no pending row and is ignored.
+One SQLite database, ``<state_dir>/dispatch.db`` (WAL, ``synchronous=NORMAL`` unless
+told ``FULL``, busy timeout), holds two tables: the weight revisions the trainer
+published and the samples. A sample row is inserted and committed *before* the caller
+sees its id, so an acknowledged request survives a dispatcher crash. Its status then
+moves exactly once from ``pending`` to ``done`` or ``failed`` (an ``UPDATE ... WHERE
+status = 'pending'``), which makes storing a result idempotent: the second store finds
+no pending row and is ignored.
+
+Group commit: :meth:`Store.commit` writes a whole group (new samples, results, attempt
+counts) in ONE transaction (``executemany``); :class:`~dispatcher.journal.Journal` makes
+the groups. :meth:`Store.prepare` validates a request without writing it, so a group's
+requests are all checked before any is written. :meth:`Store.accept`,
+:meth:`Store.complete` and :meth:`Store.fail` are groups of one. Nothing of a group is
+in memory until its commit returned: a new sample is indexed (visible as pending) only
+after it, a result unindexes its sample only after it, and a failed commit changes
+nothing in memory. :attr:`Store.transactions` counts committed write transactions.
+
+What a loss can lose. A *process* crash (SIGKILL, a bug) loses nothing committed: with
+WAL the commit is in the WAL file in the OS's page cache, and the next open replays it.
+A *power loss* (or a kernel crash) under ``synchronous=NORMAL`` may lose the commits made
+since the WAL was last synced to disk (SQLite syncs it at each checkpoint, by default
+every 1000 pages of WAL): those requests were acknowledged and are gone, those results
+were served and their samples are pending again (served again). The database itself
+stays consistent (no half-written group). ``synchronous=FULL`` (``slicer-dispatch --sync
+full``) syncs the WAL at every commit, so a power loss loses nothing acknowledged; with
+group commit that is one fsync per group, not per request.
+
+Recent results are also held in memory (the last ``RECENT_RESULTS`` of them, at most
+``RECENT_BYTES`` of bodies): :meth:`Store.get` of a pending or recently finished sample
+reads no SQLite and parses no JSON; older ones are read from the database. A body is
+kept as the bytes vLLM returned (:attr:`Result.raw <dispatcher.model.Result.raw>`),
+stored as TEXT when it is UTF-8 (always, for JSON), byte for byte.
 
 Pending requests are also held in memory, in acceptance order, so the turn loop reads
 them without touching the disk; on open the pending rows of this pool are loaded back.
@@ -36,9 +60,9 @@ import math
 import re
 import secrets
 import sqlite3
-import sys
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +76,27 @@ from gpu_slicer.dispatcher.errors import (
     UnknownRevision,
 )
 from gpu_slicer.dispatcher.model import Pending, Result, Revision
+from gpu_slicer.dispatcher.rows import (
+    SCHEMA,
+    Finish,
+    Staged,
+    blob_to_tokens,
+    body_bytes,
+    body_value,
+    tokens_to_blob,
+)
 
-__all__ = [  # Pending, Result and Revision are dispatcher.model's, returned by the store
+__all__ = [  # Pending, Result, Revision: dispatcher.model's; Finish, Staged: dispatcher.rows's
     "DB_NAME",
+    "RECENT_BYTES",
+    "RECENT_RESULTS",
     "REVISION_RE",
+    "SYNC_MODES",
+    "Finish",
     "Pending",
     "Result",
     "Revision",
+    "Staged",
     "Store",
     "check_revision_name",
 ]
@@ -66,26 +104,11 @@ __all__ = [  # Pending, Result and Revision are dispatcher.model's, returned by 
 log = logging.getLogger("dispatcher.store")
 
 DB_NAME = "dispatch.db"
+SYNC_MODES = ("normal", "full")  # PRAGMA synchronous (module docstring: what a loss loses)
+RECENT_RESULTS = 10_000  # finished results held in memory, the newest ones
+RECENT_BYTES = 64 << 20  # ... and at most this many bytes of their bodies
 REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 BUSY_TIMEOUT_S = 5.0
-
-# array('i') is 4 bytes on every platform CPython supports; the memory figure relies on it.
-assert array.array("i").itemsize == 4
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS revision (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    pool TEXT NOT NULL, name TEXT NOT NULL, path TEXT NOT NULL, published_at REAL NOT NULL,
-    UNIQUE (pool, name));
-CREATE TABLE IF NOT EXISTS sample (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE, pool TEXT NOT NULL, revision TEXT NOT NULL, kind TEXT NOT NULL,
-    params TEXT NOT NULL, prompt BLOB, prompt_is_text INTEGER NOT NULL DEFAULT 0,
-    messages BLOB, accepted_at REAL NOT NULL, deadline REAL NOT NULL,
-    attempts INTEGER NOT NULL DEFAULT 0, status TEXT NOT NULL,
-    body TEXT, error TEXT, finished_at REAL);
-CREATE INDEX IF NOT EXISTS sample_pending ON sample (pool, status);
-"""
 
 
 def _check_name(what: str, name: object) -> str:
@@ -99,22 +122,6 @@ def _check_name(what: str, name: object) -> str:
 def check_revision_name(name: object) -> str:
     """``name`` if it is a valid revision name; :class:`BadRequest` naming the rule."""
     return _check_name("revision", name)
-
-
-def _tokens_to_blob(tokens: array.array[int]) -> bytes:
-    # Stored little-endian so a database moved between machines still reads back.
-    if sys.byteorder == "big":
-        tokens = array.array("i", tokens)
-        tokens.byteswap()
-    return tokens.tobytes()
-
-
-def _blob_to_tokens(blob: bytes) -> array.array[int]:
-    tokens = array.array("i")
-    tokens.frombytes(blob)
-    if sys.byteorder == "big":
-        tokens.byteswap()
-    return tokens
 
 
 def _is_disk_full(exc: sqlite3.Error) -> bool:
@@ -144,7 +151,10 @@ class Store:
         *,
         max_prompt_tokens: int = 32768,
         max_prompt_bytes: int = 1 << 20,
+        synchronous: str = "normal",
     ) -> None:
+        if synchronous not in SYNC_MODES:
+            raise ValueError(f"synchronous must be one of {SYNC_MODES}, got {synchronous!r}")
         self.pool = _check_name("pool", pool)
         self.max_prompt_tokens = max_prompt_tokens
         self.max_prompt_bytes = max_prompt_bytes
@@ -157,6 +167,11 @@ class Store:
         self._seq = 0
         self._tokens = 0
         self._finished = {"done": 0, "failed": 0}
+        self._recent: OrderedDict[str, Result] = OrderedDict()  # id -> newest results
+        self._recent_bytes = 0
+        self.transactions = 0  # write transactions committed (group commit: one per group)
+        self._newest_name: str | None = None  # _resolve's memory of the revisions read
+        self._known: set[str] = set()
         self.damaged: str | None = None  # the first error that said the file is damaged
         self.last_error: str | None = None  # the last failure; None once a call worked
         try:
@@ -167,8 +182,8 @@ class Store:
         try:
             self._con.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
             self._con.execute("PRAGMA journal_mode=WAL")
-            self._con.execute("PRAGMA synchronous=NORMAL")
-            self._con.executescript(_SCHEMA)
+            self._con.execute(f"PRAGMA synchronous={synchronous.upper()}")
+            self._con.executescript(SCHEMA)
             self._load()
         except (sqlite3.Error, ValueError) as exc:  # ValueError: a row's JSON is unreadable
             self._con.close()
@@ -195,6 +210,7 @@ class Store:
             try:
                 yield con
                 con.execute("COMMIT")
+                self.transactions += 1
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     con.execute("ROLLBACK")
@@ -253,7 +269,7 @@ class Store:
         for sid, rev, kind, params, prompt, is_text, messages, acc, deadline, attempts in rows:
             held: array.array[int] | bytes | None = None
             if prompt is not None:
-                held = bytes(prompt) if is_text else _blob_to_tokens(prompt)
+                held = bytes(prompt) if is_text else blob_to_tokens(prompt)
             self._index(
                 Pending(sid, self.pool, rev, kind, json.loads(params), held,
                         None if messages is None else bytes(messages), acc, deadline, attempts)
@@ -306,6 +322,8 @@ class Store:
                 "INSERT INTO revision (pool, name, path, published_at) VALUES (?, ?, ?, ?)",
                 (self.pool, revision, path, now),
             )
+        self._newest_name = revision  # a new one is the newest: its seq is the largest
+        self._known.add(revision)
         return Revision(revision, path, now)
 
     def revisions(self) -> list[Revision]:
@@ -348,29 +366,41 @@ class Store:
         deadline_s: float,
         now: float | None = None,
     ) -> Pending:
-        """Validate ``body``, journal it, and return it as a new :class:`Pending`.
+        """Validate ``body``, journal it (a group of one), and return it as a new
+        :class:`Pending`.
 
         The revision is ``revision`` if given, else ``body["revision"]``, else the
         ``@REV`` suffix of ``body["model"]``, else the newest published one. Raises
         :class:`BadRequest` (the message names the field), :class:`UnknownRevision`, or
         :class:`StoreFull`/:class:`StoreError`, in which case nothing was journaled.
         """
+        staged = self.prepare(kind, body, revision, deadline_s, now)
+        self.commit([staged], what=f"accept a request for revision {staged.pending.revision}")
+        return staged.pending
+
+    def prepare(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        revision: str | None,
+        deadline_s: float,
+        now: float | None = None,
+        resolved: dict[str | None, str] | None = None,
+    ) -> Staged:
+        """Validate ``body`` as :meth:`accept` does, without journaling it: the request
+        exists once a :meth:`commit` of it returned. ``resolved`` (optional) caches the
+        revision names looked up, across the requests of one batch."""
         if not (isinstance(deadline_s, int | float) and math.isfinite(deadline_s)) or (
             deadline_s <= 0
         ):
             raise BadRequest(f"deadline must be a positive number of seconds, got {deadline_s!r}")
         parsed = parse_body(kind, body, self.max_prompt_tokens, self.max_prompt_bytes)
-        name = revision if revision is not None else parsed.revision
+        asked = revision if revision is not None else parsed.revision
+        name = None if resolved is None else resolved.get(asked)
         if name is None:
-            newest = self.newest()
-            if newest is None:
-                raise UnknownRevision(
-                    f"no revision is published in pool {self.pool!r} and the request names none"
-                )
-            name = newest.name
-        else:
-            _check_name("revision", name)
-            self.revision(name)
+            name = self._resolve(asked)
+            if resolved is not None:
+                resolved[asked] = name
         params_json = json.dumps(parsed.params, separators=(",", ":"))
         if len(params_json) > MAX_PARAMS_BYTES:
             raise BadRequest(
@@ -390,17 +420,106 @@ class Store:
             deadline=accepted + deadline_s,
             attempts=0,
         )
-        blob = _tokens_to_blob(p.prompt) if isinstance(p.prompt, array.array) else p.prompt
-        with self._tx(f"accept a request for revision {name}") as con:
-            con.execute(
-                "INSERT INTO sample (id, pool, revision, kind, params, prompt, prompt_is_text,"
-                " messages, accepted_at, deadline, status) VALUES (?,?,?,?,?,?,?,?,?,?,'pending')",
-                (p.id, p.pool, name, kind, params_json, blob, isinstance(p.prompt, bytes),
-                 p.messages, p.accepted_at, p.deadline),
-            )  # fmt: skip
+        blob = tokens_to_blob(p.prompt) if isinstance(p.prompt, array.array) else p.prompt
+        row = (p.id, p.pool, name, kind, params_json, blob, isinstance(p.prompt, bytes),
+               p.messages, p.accepted_at, p.deadline)  # fmt: skip
+        return Staged(p, row)
+
+    def _resolve(self, name: str | None) -> str:
+        """The revision a request asking for ``name`` (None: the newest) gets.
+
+        What was read once is remembered (one dispatcher per state dir, and a revision
+        is never unpublished): a request reads no SQLite for a revision already seen;
+        the first look-up of each does, so a damaged revision table still refuses it."""
+        if name is None:
+            if self._newest_name is None:
+                newest = self.newest()
+                if newest is None:
+                    raise UnknownRevision(
+                        f"no revision is published in pool {self.pool!r} and the request names none"
+                    )
+                self._newest_name = newest.name
+            return self._newest_name
+        if name not in self._known:
+            _check_name("revision", name)
+            self.revision(name)
+            self._known.add(name)
+        return name
+
+    # -- group commit ----------------------------------------------------------------
+
+    def commit(
+        self,
+        new: Sequence[Staged] = (),
+        finishes: Sequence[Finish] = (),
+        attempts: Mapping[str, int] | None = None,
+        *,
+        what: str | None = None,
+    ) -> list[bool]:
+        """Journal one group in ONE transaction: the ``new`` requests, the ``finishes``
+        (results) and the ``attempts`` (id -> send count); for each finish, whether it
+        was stored (False: its sample had a result already, or is unknown here).
+
+        All or nothing: on :class:`StoreFull`/:class:`StoreError` nothing of the group
+        is written and nothing in memory changed (the requests are not indexed, the
+        results' samples stay pending). After the commit the new requests are pending
+        and the stored results are held in memory for :meth:`get`."""
+        stored: list[bool] = []
+        taken: set[str] = set()
+        for f in finishes:  # in memory: a sample is pending here iff its row is
+            ok = f.id in self._pending and f.id not in taken
+            stored.append(ok)
+            if ok:
+                taken.add(f.id)
+        if not (new or taken or attempts):
+            return stored
+        done_at = time.time()
+        rows = [
+            (f.status, None if f.raw is None else body_value(f.raw), f.error, done_at, f.id)
+            for f, ok in zip(finishes, stored, strict=True)
+            if ok
+        ]
+        what = what or f"journal {len(new)} request(s) and {len(rows)} result(s)"
+        with self._tx(what) as con:
+            if new:
+                con.executemany(
+                    "INSERT INTO sample (id, pool, revision, kind, params, prompt,"
+                    " prompt_is_text, messages, accepted_at, deadline, status)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,'pending')",
+                    [s.row for s in new],
+                )
+            if attempts:
+                con.executemany(
+                    "UPDATE sample SET attempts = ? WHERE id = ?",
+                    [(n, id) for id, n in attempts.items()],
+                )
+            if rows:
+                # The prompt is dropped with the result: it is no longer needed, and
+                # keeping it would grow the database by every prompt ever served.
+                con.executemany(
+                    "UPDATE sample SET status = ?, body = ?, error = ?, finished_at = ?,"
+                    " prompt = NULL, messages = NULL WHERE id = ? AND status = 'pending'",
+                    rows,
+                )
         # Only after the commit: a request the caller never saw acknowledged is not held.
-        self._index(p)
-        return p
+        for s in new:
+            self._index(s.pending)
+        for f, ok in zip(finishes, stored, strict=True):
+            if not ok:
+                continue
+            p = self._unindex(f.id)
+            assert p is not None
+            self._finished[f.status] = self._finished.get(f.status, 0) + 1
+            self._remember(Result(f.id, f.status, f.raw, f.error, p.revision, p.pool))
+        return stored
+
+    def _remember(self, result: Result) -> None:
+        """Hold ``result`` for :meth:`get`, dropping the oldest past the bounds."""
+        self._recent[result.id] = result
+        self._recent_bytes += len(result.raw or b"") + len(result.error or "")
+        while len(self._recent) > RECENT_RESULTS or self._recent_bytes > RECENT_BYTES:
+            _, old = self._recent.popitem(last=False)
+            self._recent_bytes -= len(old.raw or b"") + len(old.error or "")
 
     # -- the pending index -----------------------------------------------------------
 
@@ -409,6 +528,15 @@ class Store:
         if revision is None:
             return list(self._pending.values())
         return list(self._by_rev.get(revision, {}).values())
+
+    def iter_pending(self, revision: str) -> Iterator[Pending]:
+        """The pending requests of ``revision`` in acceptance order, without a copy (do
+        not change the store while iterating)."""
+        return iter(self._by_rev.get(revision, {}).values())
+
+    def pending_count(self, revision: str) -> int:
+        """How many requests of ``revision`` are pending (O(1): no copy)."""
+        return len(self._by_rev.get(revision, ()))
 
     def pending_revisions(self) -> list[str]:
         """Revisions that have pending requests, the one waiting longest first."""
@@ -434,32 +562,33 @@ class Store:
 
     # -- results ---------------------------------------------------------------------
 
-    def _finish(self, id: str, status: str, body: str | None, error: str | None) -> bool:
-        with self._tx(f"store the result of {id}") as con:
-            # The prompt is dropped with the result: it is no longer needed, and keeping
-            # it would grow the database by every prompt ever served.
-            cur = con.execute(
-                "UPDATE sample SET status = ?, body = ?, error = ?, finished_at = ?,"
-                " prompt = NULL, messages = NULL WHERE id = ? AND status = 'pending'",
-                (status, body, error, time.time(), id),
-            )
-            stored = cur.rowcount == 1
-        self._unindex(id)
-        if stored:
-            self._finished[status] = self._finished.get(status, 0) + 1
-        return stored
-
-    def complete(self, id: str, body: dict[str, Any]) -> bool:
-        """Store ``body`` as the result of ``id``; False (ignored) if it has one already."""
-        return self._finish(id, "done", json.dumps(body, separators=(",", ":")), None)
+    def complete(self, id: str, body: dict[str, Any] | bytes) -> bool:
+        """Store ``body`` (vLLM's response: its raw bytes, or a JSON object) as the result
+        of ``id`` (a group of one); False (ignored) if it has one already."""
+        raw = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+        return self.commit([], [Finish(id, "done", raw=raw)], what=f"store the result of {id}")[0]
 
     def fail(self, id: str, error: str) -> bool:
-        """Fail ``id`` with ``error``; False (ignored) if it has a result already."""
-        return self._finish(id, "failed", None, error)
+        """Fail ``id`` with ``error`` (a group of one); False (ignored) if it has a result
+        already."""
+        return self.commit([], [Finish(id, "failed", error=error)],
+                           what=f"store the result of {id}")[0]  # fmt: skip
 
     def get(self, id: str, now: float | None = None) -> Result:
         """The status and result of sample ``id`` (at wall time ``now``, default the
-        current time); :class:`NotFound` if unknown."""
+        current time); :class:`NotFound` if unknown. A pending or recently finished
+        sample is answered from memory; an older one is read from the database."""
+        recent = self._recent.get(id)
+        if recent is not None:
+            return recent
+        p = self._pending.get(id)
+        if p is not None:
+            now = time.time() if now is None else now
+            if p.deadline <= now:
+                # Past its deadline it has failed, even while the durable update cannot
+                # be written yet (a full disk): expire() keeps retrying that write.
+                return Result(id, "failed", None, self.deadline_error(p, now), p.revision, p.pool)
+            return Result(id, "pending", None, None, p.revision, p.pool)
         rows = self._read(
             f"read sample {id}",
             "SELECT status, body, error, revision, pool FROM sample WHERE id = ?",
@@ -468,13 +597,7 @@ class Store:
         if not rows:
             raise NotFound(f"no sample {id!r}")
         status, body, error, rev, pool = rows[0]
-        p = self._pending.get(id) if status == "pending" else None
-        now = time.time() if now is None else now
-        if p is not None and p.deadline <= now:
-            # Past its deadline it has failed, even while the durable update cannot be
-            # written yet (a full disk): expire() keeps retrying that write.
-            return Result(id, "failed", None, self.deadline_error(p, now), rev, pool)
-        return Result(id, status, None if body is None else json.loads(body), error, rev, pool)
+        return Result(id, status, None if body is None else body_bytes(body), error, rev, pool)
 
     def expire(self, now: float) -> list[Pending]:
         """Fail every pending request whose deadline is at or before ``now``; return them."""
@@ -502,6 +625,8 @@ class Store:
         for p in due:
             self._unindex(p.id)
             self._finished["failed"] += 1
+            self._remember(Result(p.id, "failed", None, self.deadline_error(p, now),
+                                  p.revision, p.pool))  # fmt: skip
         return due
 
     def deadline_error(self, p: Pending, now: float) -> str:

@@ -4,8 +4,10 @@ Theory of operation
 -------------------
 :class:`TurnLoop` owns one vLLM replica (a :class:`~dispatcher.vllm.Replica`), one
 slicerd connection, the loop's :class:`~dispatcher.model.Phase` and its
-:class:`~dispatcher.events.EventStream`, and one :class:`~dispatcher.serve.Serving`, the
-requests' side, which it calls between wake and sleep. It never polls: it waits on the
+:class:`~dispatcher.events.EventStream`, one :class:`~dispatcher.journal.Journal` (group
+commit of every write; its writer runs in the loop's nursery) and one
+:class:`~dispatcher.serve.Serving`, the requests' side, which it calls between wake and
+sleep. It never polls: it waits on the
 Serving's broadcast event (:meth:`Serving.signal <dispatcher.serve.Serving.signal>`, set
 by :meth:`TurnLoop.accept`, by every finished send and by a WAITING event), bounded by one
 second so a rejected send is retried and a missed wake-up costs at most a second. A
@@ -60,6 +62,7 @@ import trio
 from gpu_slicer import proto
 from gpu_slicer.dispatcher.checkpoint import check_checkpoint_dir, check_path_text
 from gpu_slicer.dispatcher.errors import (
+    BadRequest,
     DispatchError,
     IllegalTransition,
     ReplicaError,
@@ -67,6 +70,7 @@ from gpu_slicer.dispatcher.errors import (
     UnknownRevision,
 )
 from gpu_slicer.dispatcher.events import EventStream, Subscription
+from gpu_slicer.dispatcher.journal import Journal
 from gpu_slicer.dispatcher.model import (
     Counters,
     Pending,
@@ -78,7 +82,7 @@ from gpu_slicer.dispatcher.model import (
     check_transition,
 )
 from gpu_slicer.dispatcher.serve import Serving
-from gpu_slicer.dispatcher.store import Store, check_revision_name
+from gpu_slicer.dispatcher.store import Staged, Store, check_revision_name
 from gpu_slicer.dispatcher.vllm import Replica
 from gpu_slicer.slicer.client import AsyncSlicer, ClientError
 
@@ -132,9 +136,11 @@ class TurnLoop:
         self.events = events or EventStream()
         self.phase = Phase.IDLE
         self.turn: int | None = None
+        self.journal = Journal(store)
         self.serving = Serving(
-            store, replica, cfg, counters=self.counters, events=self.events, enter=self._enter
-        )
+            store, replica, cfg, counters=self.counters, events=self.events, enter=self._enter,
+            journal=self.journal,
+        )  # fmt: skip
         self._current: TurnState | None = None
         self._needs_recover = True  # first sight of the replica
         self._connect = connect or (lambda: _connect_default(cfg.socket))
@@ -181,11 +187,30 @@ class TurnLoop:
 
     # -- the front door (called by the HTTP front) -----------------------------------
 
-    def accept(self, kind: str, body: dict[str, Any]) -> Pending:
-        """Validate and journal a request, then wake the loop. Raises DispatchError."""
-        p = self.store.accept(kind, body, None, self.cfg.sample_deadline)
+    async def accept(self, kind: str, body: dict[str, Any]) -> Pending:
+        """Validate and journal a request, then wake the loop; returns once its group
+        committed (:mod:`dispatcher.journal`). Raises DispatchError (nothing journaled)."""
+        staged = self.store.prepare(kind, body, None, self.cfg.sample_deadline)
+        await self.journal.accept([staged])
         self.serving.signal()
-        return p
+        return staged.pending
+
+    async def accept_many(self, requests: list[tuple[str, Any]]) -> list[Pending]:
+        """Validate every ``(kind, body)`` of ``requests``, then journal them all in one
+        group (all or nothing); in order. An invalid one raises its error (BadRequest,
+        UnknownRevision) with ``requests[i]: `` before its message, and nothing is
+        journaled; so does a failed group (StoreError/StoreFull, unprefixed)."""
+        staged: list[Staged] = []
+        resolved: dict[str | None, str] = {}  # revision lookups, once per batch
+        deadline = self.cfg.sample_deadline
+        for i, (kind, body) in enumerate(requests):
+            try:
+                staged.append(self.store.prepare(kind, body, None, deadline, resolved=resolved))
+            except (BadRequest, UnknownRevision) as e:
+                raise type(e)(f"requests[{i}]: {e}") from None
+        await self.journal.accept(staged)
+        self.serving.signal()
+        return [s.pending for s in staged]
 
     def publish(self, revision: str, path: str) -> tuple[Revision, bool]:
         """Publish weights ``revision`` at ``path``; (revision, newly published).
@@ -211,6 +236,11 @@ class TurnLoop:
         """The sample ``id`` once it is finished, or as it stands after ``timeout`` s."""
         return await self.serving.wait_result(id, timeout)
 
+    async def wait_results(self, ids: list[str], timeout: float) -> list[Result]:
+        """The samples ``ids`` (in order) once all are finished, or after ``timeout`` s;
+        NotFound naming an unknown id."""
+        return await self.serving.wait_results(ids, timeout)
+
     def status(self) -> dict[str, Any]:
         """The loop's state for ``GET /status``."""
         cur = self._current
@@ -231,7 +261,7 @@ class TurnLoop:
             "turn": self.turn,
             "waiting_seen": bool(cur and cur.waiting_seen_at is not None),
             "in_flight": self.serving.in_flight,
-            "pending": {r: len(self.store.pending(r)) for r in self.store.pending_revisions()},
+            "pending": {r: self.store.pending_count(r) for r in self.store.pending_revisions()},
             "counts": self.store.counts(),
             "pending_prompt_tokens": tokens,
             "pending_prompt_bytes": token_bytes,
@@ -251,9 +281,11 @@ class TurnLoop:
     # -- the tasks -------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the ticker and the turn loop until cancelled (a held turn is ended)."""
+        """Run the journal's writer, the ticker and the turn loop until cancelled (a held
+        turn is ended; the writer commits what is still queued)."""
         try:
             async with trio.open_nursery() as nursery:
+                await nursery.start(self.journal.run)
                 nursery.start_soon(self._ticker)
                 task_status.started()
                 await self._loop()

@@ -9,6 +9,12 @@ Every failure is a :class:`ReplicaError`: ``status`` is vLLM's HTTP status, or N
 when no answer came (timeout, refused connection, malformed JSON). The message carries
 vLLM's own error message (``{"error": {"message": ...}}``).
 
+Generation requests (:meth:`Replica.complete`, :meth:`Replica.complete_raw`) go over
+:mod:`dispatcher.wire`, a lean keep-alive HTTP/1.1 pool (httpx costs more CPU per
+request than the dispatcher's whole budget); control calls stay on httpx, one
+connection each. A base URL wire cannot serve (https, user info), or an injected httpx
+``transport`` (tests), sends generation requests through httpx too.
+
 ``epoch`` counts the events that invalidate requests in flight (sleep, weight load,
 recovery); it is bumped *before* the call is sent, so a response that arrives after
 such an event can never carry the epoch it was sent under (see ``core.commit_ok``).
@@ -26,6 +32,7 @@ from typing import Any
 import httpx
 import trio
 
+from gpu_slicer.dispatcher import wire
 from gpu_slicer.dispatcher.errors import ReplicaError
 
 __all__ = ["CONTROL_TIMEOUT_S", "Replica"]
@@ -37,17 +44,28 @@ _SLEEP_MODES = ("abort", "wait", "keep")
 
 def _error_message(resp: httpx.Response) -> str:
     """vLLM's error text: ``error.message``, FastAPI's ``detail``, else the raw body."""
+    return _error_text(resp.content, resp.reason_phrase)
+
+
+def _error_text(raw: bytes, reason: str) -> str:
+    """:func:`_error_message` of a raw response body and its reason phrase."""
     try:
-        data = resp.json()
+        data = json.loads(raw)
     except ValueError:
-        return resp.text[:500] or resp.reason_phrase
+        return raw.decode("utf-8", "replace")[:500] or reason
     if isinstance(data, dict):
         err = data.get("error")
         if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return str(err["message"])
+            return _clean(str(err["message"])[:500])
         if "detail" in data:
-            return str(data["detail"])[:500]
+            return _clean(str(data["detail"])[:500])
     return json.dumps(data)[:500]
+
+
+def _clean(text: str) -> str:
+    # A JSON "\ud800" escape parses into a lone surrogate that no UTF-8 encoder (SQLite's
+    # included) accepts; the text is stored and served, so make it encodable.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class Replica:
@@ -63,6 +81,10 @@ class Replica:
         self.base_url = base_url.rstrip("/")
         self.epoch = 0
         self.known_version: str | None = None
+        self._wire = (
+            None if transport is not None
+            else wire.Pool.from_url(self.base_url, connect_timeout=connect_timeout)
+        )  # fmt: skip
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             transport=transport,
@@ -72,7 +94,9 @@ class Replica:
         )
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pools."""
+        if self._wire is not None:
+            self._wire.close()
         await self._client.aclose()
 
     async def __aenter__(self) -> Replica:
@@ -120,15 +144,37 @@ class Replica:
 
     async def _json(self, method: str, path: str, timeout: float, **kw: Any) -> dict[str, Any]:
         resp = await self._call(method, path, timeout, **kw)
+        return self._object(f"{method} {self.base_url}{path}", resp.content)
+
+    @staticmethod
+    def _object(what: str, raw: bytes) -> dict[str, Any]:
+        # Strict UTF-8 without a BOM: the raw bytes are spliced into the front's answers as
+        # they are, so only a document any JSON reader accepts may pass (json.loads on
+        # bytes would also take a BOM and UTF-16/32).
         try:
-            data = resp.json()
-        except ValueError:
+            data = None if raw[:3] == b"\xef\xbb\xbf" else json.loads(raw.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError included
             data = None
         if not isinstance(data, dict):
-            raise ReplicaError(
-                f"{method} {self.base_url}{path}: expected a JSON object, got {resp.text[:200]!r}"
-            )
+            got = raw[:200].decode("utf-8", "replace")
+            raise ReplicaError(f"{what}: expected a JSON object, got {got!r}")
         return data
+
+    async def _post_wire(self, pool: wire.Pool, path: str, payload: bytes, timeout: float) -> bytes:
+        """:meth:`_call` for a generation POST over ``pool``: the 2xx body, raw."""
+        what = f"POST {self.base_url}{path}"
+        try:
+            with trio.fail_after(timeout):
+                resp = await pool.post_json(path, payload)
+        except trio.TooSlowError:
+            raise ReplicaError(f"{what}: no answer within {timeout:g} s") from None
+        except wire.WireError as exc:
+            raise ReplicaError(f"{what}: {exc}") from exc
+        if not 200 <= resp.status < 300:
+            raise ReplicaError(
+                f"{what}: HTTP {resp.status}: {_error_text(resp.body, resp.reason)}", resp.status
+            )
+        return resp.body
 
     async def _field(self, method: str, path: str, key: str, kind: type, timeout: float) -> Any:
         data = await self._json(method, path, timeout)
@@ -250,7 +296,24 @@ class Replica:
     async def complete(self, kind: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         """POST ``body`` to ``/v1/completions`` (kind "completion") or
         ``/v1/chat/completions`` (kind "chat"); the response's JSON object."""
+        return (await self.complete_raw(kind, body, timeout))[1]
+
+    async def complete_raw(
+        self, kind: str, body: dict[str, Any], timeout: float
+    ) -> tuple[bytes, dict[str, Any]]:
+        """:meth:`complete`, also returning vLLM's response bytes as they came (to store
+        and serve without encoding them again): ``(raw, parsed object)``.
+
+        ``body`` must be plain JSON: NaN or infinity raise ValueError, as with httpx."""
         path = _PATHS.get(kind)
         if path is None:
             raise ValueError(f"kind must be one of {tuple(_PATHS)}, got {kind!r}")
-        return await self._json("POST", path, timeout, json_body=body, keep_alive=True)
+        if self._wire is None:
+            raw = (await self._call("POST", path, timeout, json_body=body, keep_alive=True)).content
+        else:
+            # Encoded as httpx would (compact, UTF-8, no NaN), once.
+            payload = json.dumps(
+                body, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+            ).encode("utf-8")
+            raw = await self._post_wire(self._wire, path, payload, timeout)
+        return raw, self._object(f"POST {self.base_url}{path}", raw)

@@ -50,6 +50,9 @@ class Config:
     registrant_park_timeout: float = 60.0
     # Each journal save is fsynced (file and directory) before it counts as written.
     journal_fsync: bool = True
+    # A grant check may reuse a clean reading of its GPU this young (0: always read);
+    # the trade is argued in `slicer.reuse`.
+    verify_reuse_ms: float = 20.0
 
     def validate(self) -> Config:
         """Return self, or raise ConfigError naming the first bad value."""
@@ -66,6 +69,10 @@ class Config:
         for key in ("max_connections", "max_connections_per_uid", "max_workloads", "max_queue"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1")
+        if not (0 <= self.verify_reuse_ms <= 1000):
+            raise ConfigError(
+                f"verify_reuse_ms must be in [0, 1000] ms, got {self.verify_reuse_ms}"
+            )
         if self.reserved_connections < 0:
             raise ConfigError("reserved_connections must be >= 0")
         try:

@@ -118,6 +118,11 @@ async def _watchdog(every: float) -> None:
     "--registrant-park-timeout", type=float, help="Bound on a registrant's answer to PARK."
 )
 @click.option("--foreign", type=click.Choice(["block", "ignore"]))
+@click.option(
+    "--verify-reuse-ms",
+    type=float,
+    help="A grant check may reuse a clean GPU reading this young (default 20; 0: always read).",
+)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option(
     "--discard-journal",

@@ -169,7 +169,14 @@ class Emit:
 
 @dataclass(frozen=True, slots=True)
 class Persist:
-    """The recovery journal changed: write `SlicerState.journal()`."""
+    """The recovery journal changed: write `SlicerState.journal()`.
+
+    `lazy` False: on disk before any later effect of the batch is performed and before
+    any reply of the batch leaves. `lazy` True: written once after the batch, off the
+    event loop (write-behind); only for records whose loss in a crash recovery survives
+    (`slicer.journal` gives the argument per record kind)."""
+
+    lazy: bool = False
 
 
 Effect = (

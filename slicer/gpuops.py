@@ -5,9 +5,10 @@ reads a workload's processes and memory until the state machine says stop; a cen
 measures what each workload holds. Every GPU operation in flight has an *owner* (the task
 or inline step performing it), which always reports a result, also when it fails. What is
 measured goes back to `SlicerState` as readings (`slicer.readings`); the state machine
-decides what they mean. The server passes in what these need (its state machine, GPU
-backend, parker, process table, clock, and how to apply effects), so nothing here imports
-it back.
+decides what they mean. A grant check may reuse a clean reading of its GPU younger than
+`verify_reuse_ms` (`slicer.reuse` says when, and argues the trade). The server passes in
+what these need (its state machine, GPU backend, parker, process table, clock, and how to
+apply effects), so nothing here imports it back.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from gpu_slicer.slicer.readings import (
     RestoreReport,
     Unreadable,
 )
+from gpu_slicer.slicer.reuse import Reuse
 from gpu_slicer.slicer.state import ProcessInfo, SlicerState
 
 # The server's logger: slicerd's log lines keep the name they had.
@@ -61,6 +63,11 @@ class GpuOps:
         self._clock, self._apply, self._durable = clock, apply, durable
         # op id -> (token, what): who performs the GPU operation in flight.
         self.owners: dict[int, tuple[object, str]] = {}
+        # While the server performs one batch of effects (nothing awaits, no tool runs in
+        # it): GPU index -> the backend's reading, shared by every census of the batch.
+        self.batch: dict[int, dict[int, int]] | None = None
+        # Clean grant-check readings, reused while young (`slicer.reuse`).
+        self.reuse = Reuse(cfg.verify_reuse_ms, sm)
 
     # ---- owners ----------------------------------------------------------------------
 
@@ -134,6 +141,7 @@ class GpuOps:
             for i, e in enumerate(group):
                 e["resident_bytes"] = taken.of(i)
         log.info("recovered %d journaled workloads", sum(1 for e in entries if e["alive"]))
+        self.reuse.forget()  # adopted workloads: every GPU is read afresh
         self._apply(self.sm.adopt_journal(entries, self._clock()))
 
     def register(self, conn: Connection, req: proto.Register, now: float) -> list[Effect]:
@@ -149,6 +157,7 @@ class GpuOps:
         # would read as foreign): a probe root with a wid no workload has.
         probe = [census.Root(0, pid, start, req.tree)]
         taken = census.take(self.backend.processes(gpu), probe, self.host.ancestry)
+        self.reuse.forget(gpu)  # a new workload (or an adopted one) on this GPU
         return self.sm.register(
             conn.cid,
             req.workload,
@@ -185,8 +194,20 @@ class GpuOps:
             if w.gpu == gpu
         ]
 
-    def _census(self, gpu: int) -> Census:
-        return census.take(self.backend.processes(gpu), self._roots(gpu), self.host.ancestry)
+    def _census(self, gpu: int, roots: list[census.Root] | None = None) -> Census:
+        # A park verified and the grant that follows it in one batch read the backend once
+        # (the roots are current for each: a workload registered meanwhile is counted).
+        batch = self.batch
+        seen = batch.get(gpu) if batch is not None else None
+        if seen is None:
+            seen = self.backend.processes(gpu)
+            if batch is not None:
+                batch[gpu] = seen
+        roots = self._roots(gpu) if roots is None else roots
+        taken = census.take(seen, roots, self.host.ancestry)
+        if taken.foreign:
+            self.reuse.forget(gpu)  # whoever reads foreign memory: no grant check reuses
+        return taken
 
     def _bytes_of(self, gpu: int, wid: int, reason: str) -> int | Unreadable:
         """Workload `wid`'s device bytes on `gpu` now, or why they could not be read."""
@@ -196,13 +217,30 @@ class GpuOps:
             return Unreadable(reason, str(ex)[:300])
 
     def read_gpu(self, e: Verify) -> tuple[Census | Unreadable, int | None]:
-        """The census of `e.gpu` and, when the grant needs room, its free bytes."""
+        """The census of `e.gpu` (a clean one younger than `verify_reuse_ms` may be
+        reused, `slicer.reuse`) and, when the grant needs room, its free bytes (always
+        read)."""
         try:
-            seen = self._census(e.gpu)
+            roots, now = self._roots(e.gpu), self._clock()
+            seen = self.reuse.get(e.gpu, e.wid, roots, now)
+            if seen is None:
+                seen = self._census(e.gpu, roots)
+                self.reuse.keep(e.gpu, e.wid, roots, seen, now)
             return seen, (self.backend.free_bytes(e.gpu) if e.need else None)
         except Exception as ex:
+            self.reuse.forget(e.gpu)
             log.error("GPU %d cannot be verified: %s", e.gpu, ex)
             return Unreadable("backend-error", str(ex)[:200]), None
+
+    def verify(self, e: Verify) -> list[Effect]:
+        """Perform a grant check: read `e.gpu` and hand the reading to the state machine;
+        a reading that refused the grant is never reused."""
+        seen, free = self.read_gpu(e)
+        fx = self.sm.verified(e.op, seen, self._clock(), free)
+        gpu = self.sm.gpus.get(e.gpu)
+        if gpu is not None and gpu.foreign:
+            self.reuse.forget(e.gpu)
+        return fx
 
     def _ms_since(self, t0: float) -> int:
         return int((self._clock() - t0) * 1000)
@@ -233,6 +271,7 @@ class GpuOps:
         except Exception as ex:
             error = str(ex)[:300]
         after = self._bytes_of(e.gpu, e.wid, "park-error")
+        self.reuse.forget(e.gpu)  # its end changes who is on the GPU
         report = ParkReport(self._ms_since(t0), before, parked, tool, alive, after, error)
         self.report(e.op, token, lambda: self.sm.park_done(e.op, report, self._clock()))
 
@@ -241,6 +280,7 @@ class GpuOps:
         the backend, never on its word."""
         t0 = self._clock()
         after = self._bytes_of(e.gpu, e.wid, "park-error")
+        self.reuse.forget(e.gpu)
         report = ParkReport(ms=self._ms_since(t0), after=after)
         return self.sm.park_done(e.op, report, self._clock())
 
@@ -255,6 +295,7 @@ class GpuOps:
                 tool = await self.parker.restore([p for p, _ in live], self.cfg.restore_timeout)
         except Exception as ex:
             error = str(ex)[:300]
+        self.reuse.forget(e.gpu)
         report = RestoreReport(ms=self._ms_since(t0), live=live, tool=tool, error=error)
         self.report(e.op, token, lambda: self.sm.restore_done(e.op, report, self._clock()))
 
@@ -277,6 +318,7 @@ class GpuOps:
             )
         except Exception as ex:
             report = RecoverReport(error=str(ex)[:300])
+        self.reuse.forget(e.gpu)
         self.report(e.op, token, lambda: self.sm.recover_done(e.op, report, self._clock()))
 
     async def reap(self, e: Reap) -> None:

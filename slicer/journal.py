@@ -8,6 +8,45 @@ save must be all or nothing: the document is written whole to `journal.json.tmp`
 the new one, never a torn one. A failed save raises `JournalError`; the caller keeps its
 state in memory and saves again later.
 
+When a record must be on disk
+-----------------------------
+Every save writes the whole document, so the file is always the state at one instant,
+and a save never lets an older document replace a newer one (`write` numbers them). A
+restarted daemon reads the file *and measures*: which processes live, what each holds on
+its GPU, and for journaled cuda-checkpoint processes the driver's state
+(`slicer.restart`, `slicer.recovery`). What it cannot measure is whom a process belongs to
+and which processes the tool may have checkpointed: those records are written before
+anything depends on them (`Persist()`, inline, before any later effect or reply of the
+batch). The others (`Persist(lazy=True)`) are written once after their batch, by a worker
+thread, after the batch's replies left (write-behind); a SIGKILL before that leaves the
+previous document, and recovery from it is correct, record by record:
+
+    register / adopt / unregister   inline: who owns which processes (unjournaled memory
+                                    would count as foreign after a crash)
+    park started (PARKING)          lazy: nothing is checkpointed yet; the previous record
+                                    plus the measured memory say all there is
+    park tool intent (op_procs)     inline, before cuda-checkpoint runs (`park_started`;
+                                    a park whose intent cannot be written does not run)
+    parked, with checkpointed procs inline: the procs a restore must bring back (its
+                                    counters and state survive a crash from the reply on)
+    parked, nothing checkpointed    lazy: a cooperative park; memory off the device reads
+                                    the same either way (kept as a parked orphan, or
+                                    forgotten when the old record said idle)
+    restore started (RESTORING)     inline, before the tool runs: the intent recovery
+                                    settles (roll back or finish) without a guess
+    restored (IDLE)                 lazy: the restore intent on disk leads recovery to the
+                                    driver, which says running: resident, parked before
+                                    any grant, as the IDLE record would
+    grant / release                 nothing durable changes: no write at all
+    fault / forgotten / recovered   inline (rare; a fault must survive a crash)
+
+What a lazy record can lose in a crash is therefore only bookkeeping: a workload's
+`parks`/`restores` counters may lag by the records of the last few milliseconds, and a
+cooperative workload parked just before the crash may be forgotten instead of kept as a
+parked orphan (its launcher registers it again either way). A clean stop writes the
+document before the daemon exits. Where saves are not fsynced (`journal_fsync = false`)
+the write-behind runs in the loop, still after the batch's replies.
+
 Alongside lives `slicerd.lock`: an exclusive `flock` held for the daemon's life, so a
 second daemon on the same state dir is refused instead of sharing the journal.
 """
@@ -18,6 +57,7 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +83,9 @@ class Journal:
         self._tmp = self.path.with_name("journal.json.tmp")
         self.fsync = fsync
         self._last = b""
+        # The write-behind thread and the loop both write: one at a time, newest last.
+        self._lock = threading.Lock()
+        self._seq = self._written = 0
 
     def load(self) -> list[dict[str, Any]]:
         """The journaled workloads, or [] when there is no journal yet; `JournalError`
@@ -86,9 +129,37 @@ class Journal:
     def save(self, workloads: list[dict[str, Any]]) -> None:
         """Replace the journal with `workloads` atomically (a no-op when nothing changed);
         `JournalError` when it could not be written whole (the old one then stays)."""
-        data = json.dumps({"version": VERSION, "workloads": workloads}).encode()
-        if data == self._last:
-            return
+        self.write(self.encode(workloads), self.next_seq())
+
+    def encode(self, workloads: list[dict[str, Any]]) -> bytes:
+        """The document `save` writes for `workloads`."""
+        return json.dumps({"version": VERSION, "workloads": workloads}).encode()
+
+    def next_seq(self) -> int:
+        """A sequence number for the next document (from the daemon's one loop): `write`
+        never lets an older document replace a newer one."""
+        self._seq += 1
+        return self._seq
+
+    @property
+    def written(self) -> int:
+        """The sequence number of the newest document on disk (0: none yet)."""
+        return self._written
+
+    def write(self, data: bytes, seq: int) -> int:
+        """Write document `data` numbered `seq` (from `next_seq`) atomically, from any one
+        thread at a time; the number of the newest document on disk after it. A document
+        older than the one on disk is skipped, as is one equal to it; `JournalError`
+        when it could not be written whole (the old one then stays)."""
+        with self._lock:
+            if seq <= self._written:
+                return self._written
+            if data != self._last:
+                self._replace(data)
+            self._written = seq
+            return seq
+
+    def _replace(self, data: bytes) -> None:
         try:
             fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
             try:

@@ -59,7 +59,9 @@ def start_park(
     w.must_park, w.park_reply, w.holder_died = False, None, False
     gpu.op = op
     fx: list[Effect] = [
-        Persist(),  # a restart mid-park must know the processes may be checkpointed
+        # Lazy: no process is checkpointed yet; the pids the tool will act on are
+        # journaled (not lazily) by `SlicerState.park_started` before it runs.
+        Persist(lazy=True),
         event("parking", w, now),
     ]
     # Its holder died mid-turn: what the backend sees now may be half a wake. The

@@ -10,7 +10,11 @@ state machine decides what they mean, also whether a connection is admitted and 
 faulted workload is killed. The GPU backend, the parker, the process table (`host`) and
 the clock are injected, so tests run this very code in-process. One connection's I/O
 (credentials, framing, outbox) is `slicer.connection`; the GPU operations and what they
-measure are `slicer.gpuops`.
+measure are `slicer.gpuops`. Journal records that must precede what follows are written
+inline; the others once per batch, behind its replies, by a worker thread (which records
+may wait is argued in `slicer.journal`). One batch reads each GPU's backend at most once
+between grants (a park verified and the grant it lets through share the reading), and a
+grant check may reuse a clean reading younger than `verify_reuse_ms` (`slicer.reuse`).
 
 No client can stall it: effects are performed by one loop (never by recursion), requests a
 connection pipelined behind a waiting one are resumed by that loop, a connection yields to
@@ -139,6 +143,11 @@ class Server:
         self._asks: dict[int, trio.CancelScope] = {}
         self.journal_error: str | None = None
         self._journal_retrying = False
+        # Write-behind (lazy `Persist`): a lazy record is not on disk yet; whether the
+        # writer task runs; the newest document number that failed to write.
+        self._lazy = False
+        self._writing = False
+        self._failed_seq = 0
         self._children: tuple[float, dict[int, list[int]]] = (-1.0, {})
         self._ops = GpuOps(
             cfg,
@@ -160,14 +169,19 @@ class Server:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Recover from the journal, then serve `listener` until cancelled."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            note = await self.parker.probe()
-            if note:
-                log.warning("%s", note)
-            self._ops.recover(self._entries)
-            await nursery.start(trio.serve_listeners, self._handle, [listener])
-            task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                note = await self.parker.probe()
+                if note:
+                    log.warning("%s", note)
+                self._ops.recover(self._entries)
+                await nursery.start(trio.serve_listeners, self._handle, [listener])
+                task_status.started()
+        finally:
+            self._nursery = None
+            if self._lazy:
+                self._persist()  # a clean stop leaves the journal current
 
     # ---- connections -----------------------------------------------------------------
 
@@ -318,6 +332,7 @@ class Server:
         if self._applying:
             return
         self._applying = True
+        self._ops.batch = {}
         frames, budget = self._frames, RESUME_BUDGET
         try:
             while True:
@@ -349,6 +364,9 @@ class Server:
                     frames[-1].popleft()
         finally:
             self._applying = False
+            self._ops.batch = None
+            if self._lazy and not self._writing:
+                self._write_behind()
 
     def _continue_later(self) -> None:
         if self._continuing or self._nursery is None:
@@ -365,6 +383,7 @@ class Server:
     def _perform(self, e: Effect) -> None:
         nursery = self._nursery
         assert nursery is not None
+        self._ops.reuse.performed(e)  # what it makes stale is never reused (`slicer.reuse`)
         match e:
             case Grant():
                 fields = {
@@ -373,6 +392,7 @@ class Server:
                     "waited_ms": str(e.waited_ms),
                 }
                 self._reply(e.conn, proto.encode(Ok(fields)))
+                self._ops.batch = {}  # the grantee may use its GPU from now on
             case Reply():
                 self._reply(e.conn, proto.encode(Ok(e.fields)))
             case Deny():
@@ -380,8 +400,7 @@ class Server:
             case Verify():
                 token = self._ops.own(e.op, "verify")
                 try:
-                    seen, free = self._ops.read_gpu(e)
-                    self._work.extend(self.sm.verified(e.op, seen, self._clock(), free))
+                    self._work.extend(self._ops.verify(e))
                 finally:
                     self._ops.disown(e.op, token)
             case Park() if e.mode == "cooperative":
@@ -426,12 +445,15 @@ class Server:
             case Kill():
                 # Only the processes that hold the GPU (the state machine chose them).
                 n = self.host.kill_pids(list(e.pids))
+                self._ops.batch = {}  # what the batch read of the GPUs is stale now
                 log.error("killed %d GPU processes of faulted workload %s", n, e.workload)
             case Emit():
                 self._broadcast(e.body)
+            case Persist() if e.lazy:
+                self._lazy = True  # written once after the batch (`_write_behind`)
             case Persist():
-                # Journaled before any later reply of this batch leaves (a grant must
-                # never reach a client before the park it follows is on disk).
+                # Journaled before any later effect and reply of this batch (a restore
+                # or a checkpointed park is on disk before the grant that follows it).
                 self._persist()
 
     def _end_ask(self, op: int) -> None:
@@ -439,17 +461,60 @@ class Server:
             scope.cancel()
 
     def _persist(self) -> None:
+        # Inline: on disk before this returns (waits for a write-behind in flight).
+        self._lazy = False
+        seq = self.journal.next_seq()
         try:
-            self.journal.save(self.sm.journal())
+            written = self.journal.write(self.journal.encode(self.sm.journal()), seq)
         except JournalError as e:
-            if self.journal_error is None:
-                log.error("%s; serving from memory, retrying every %.0f s", e, JOURNAL_RETRY)
-            self.journal_error = str(e)
-            if not self._journal_retrying and self._nursery is not None:
-                self._journal_retrying = True
-                self._nursery.start_soon(self._journal_retry)
+            self._journal_failed(e, seq)
             return
-        if self.journal_error is not None:
+        self._journal_written(written)
+
+    def _write_behind(self) -> None:
+        # After a batch with lazy records, whose replies are queued already.
+        if self._nursery is None:
+            self._persist()
+            return
+        self._writing = True
+        self._nursery.start_soon(self._writer)
+
+    async def _writer(self) -> None:
+        # One document for every batch since the last: encoded after those batches'
+        # replies left (a checkpoint lets the connections' writers go first), written by a
+        # worker thread where it is fsynced (the fsyncs hold no loop), else inline (cheap,
+        # and no thread under a test's fake clock).
+        try:
+            while self._lazy:
+                await trio.lowlevel.checkpoint()
+                if not self._lazy:
+                    break  # an inline save came first
+                self._lazy = False
+                data, seq = self.journal.encode(self.sm.journal()), self.journal.next_seq()
+                try:
+                    if self.journal.fsync:
+                        written = await trio.to_thread.run_sync(self.journal.write, data, seq)
+                    else:
+                        written = self.journal.write(data, seq)
+                except JournalError as e:
+                    self._journal_failed(e, seq)
+                else:
+                    self._journal_written(written)
+        finally:
+            self._writing = False
+
+    def _journal_failed(self, e: JournalError, seq: int) -> None:
+        self._failed_seq = max(self._failed_seq, seq)
+        if self.journal_error is None:
+            log.error("%s; serving from memory, retrying every %.0f s", e, JOURNAL_RETRY)
+        self.journal_error = str(e)
+        if not self._journal_retrying and self._nursery is not None:
+            self._journal_retrying = True
+            self._nursery.start_soon(self._journal_retry)
+
+    def _journal_written(self, seq: int) -> None:
+        # Only a document at least as new as the last that failed clears the error.
+        if self.journal_error is not None and seq >= self._failed_seq:
             log.warning("journal %s written again", self.journal.path)
             self.journal_error = None
 

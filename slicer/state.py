@@ -372,7 +372,9 @@ class SlicerState:
             moved, procs = verdict.moved, verdict.procs
             w.last_park_ms, w.parked_bytes, w.parked_procs = ms, moved, procs
             how = "checkpoint" if procs else "cooperative"
-            fx += [event("parked", w, now, park_ms=ms, bytes=moved, how=how), Persist()]
+            # Lazy when nothing was checkpointed: recovery measures where its memory is.
+            park_record = Persist(lazy=not procs)
+            fx += [event("parked", w, now, park_ms=ms, bytes=moved, how=how), park_record]
             if op.reply_conn is not None:
                 fx.append(Reply(op.reply_conn, {"parked": "1", "park_ms": str(ms)}))
             if w.detached:
@@ -518,7 +520,8 @@ class SlicerState:
         w.restores += 1
         self.totals["restores"] += 1
         w.last_restore_ms, w.parked_bytes, w.parked_procs = report.ms, 0, ()
-        fx += [Persist(), event("restored", w, now, restore_ms=report.ms)]
+        # Lazy: the restore intent on disk leads recovery to the same end (all running).
+        fx += [Persist(lazy=True), event("restored", w, now, restore_ms=report.ms)]
         # Verified before the restore began: granted without another look, as restored
         # (the grant says so also when something crowding the GPU is parked first).
         head = gpu.head()

@@ -1,9 +1,9 @@
 """The dispatcher's declared event stream, `GET /v1/events` (dispatcher.events).
 
-In-process: the real HTTP front (hypercorn) over a turn loop that is never run, for the
-stream's framing, its `closed` end and a slow reader's `dropped` end. End to end: a real
-dispatcher in a real stack serves one request, and its stream tells the whole turn; one
-stopped mid-turn still tells the turn's end before its front closes.
+In-process: the real HTTP front (its lean HTTP/1.1 server) over a turn loop that is never
+run, for the stream's framing, its `closed` end and a slow reader's `dropped` end. End to
+end: a real dispatcher in a real stack serves one request, and its stream tells the whole
+turn; one stopped mid-turn still tells the turn's end before its front closes.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ STOPPED_MID_TURN = [
     ("phase", "sleeping"), ("slept", None), ("phase", "releasing"), ("released", None),
     ("phase", "idle"), ("closed", None),
 ]  # fmt: skip
-SLOW_SLEEP_S = 3.0  # longer than hypercorn's default 2 s for open connections at a stop
+SLOW_SLEEP_S = 3.0  # longer than the front's default 2 s grace for open requests at a stop
 
 
 @pytest.mark.integration

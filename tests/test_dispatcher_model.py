@@ -158,7 +158,7 @@ async def test_a_table_miss_at_a_turns_end_still_sleeps_releases_and_the_loop_li
                 async with trio.open_nursery() as nursery:
                     await nursery.start(loop.run)
                     for _ in range(2):
-                        p = loop.accept("completion", {"prompt": [1], "max_tokens": 2})
+                        p = await loop.accept("completion", {"prompt": [1], "max_tokens": 2})
                         async for e in sub:  # to the turn's last change, out of releasing
                             got.append(e)
                             if e["event"] == "phase" and e["previous"] == "releasing":

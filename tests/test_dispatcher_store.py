@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from gpu_slicer.dispatcher import store as store_mod
 from gpu_slicer.dispatcher.errors import (
     BadRequest,
     NotFound,
@@ -19,7 +20,7 @@ from gpu_slicer.dispatcher.errors import (
     StoreFull,
     UnknownRevision,
 )
-from gpu_slicer.dispatcher.store import Store
+from gpu_slicer.dispatcher.store import Finish, Store
 
 
 @pytest.fixture
@@ -287,3 +288,49 @@ def test_full_disk_is_store_full_and_nothing_half_written(tiny_fs: Path) -> None
         still = [p.id for p in again.pending()]
         assert still == (accepted[1:] if stored else accepted)
         assert again.counts()["done"] == int(stored)
+
+
+def test_a_group_is_one_transaction_and_a_failed_one_changes_nothing(store: Store) -> None:
+    old = store.accept("completion", {"prompt": [9]}, None, 60)
+    staged = [store.prepare("completion", {"prompt": [i]}, None, 60) for i in range(5)]
+    before = store.transactions
+    stored = store.commit(
+        staged, [Finish(old.id, "done", raw=b'{"a": 1}')], {staged[0].pending.id: 1}
+    )
+    assert stored == [True] and store.transactions - before == 1
+    assert [p.id for p in store.pending()] == [s.pending.id for s in staged]
+    # A group SQLite refuses (here: a request journaled twice) is written not at all.
+    again = store.prepare("completion", {"prompt": [7]}, None, 60)
+    with pytest.raises(StoreError, match="UNIQUE"):
+        store.commit([again, staged[1]], [Finish(staged[2].pending.id, "failed", error="x")])
+    assert store.transactions - before == 1
+    assert [p.id for p in store.pending()] == [s.pending.id for s in staged]
+    assert store.counts() == {"pending": 5, "done": 1, "failed": 0}
+    assert store.get(staged[2].pending.id).status == "pending"
+
+
+def test_recent_results_come_from_memory_and_older_ones_from_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_mod, "RECENT_RESULTS", 2)
+    with Store(tmp_path, "pool-a") as s:
+        s.publish("r1", "/ckpt/r1")
+        ps = [s.accept("completion", {"prompt": [i]}, None, 60) for i in range(3)]
+        raws = [b'{"choices": [{"text": "\\u00e9"}], "n": %d}' % i for i in range(3)]
+        for p, raw in zip(ps, raws, strict=True):
+            assert s.complete(p.id, raw)
+        s._con.close()  # no SQLite from here: the two newest still answer, from memory
+        assert [s.get(p.id).raw for p in ps[1:]] == raws[1:]
+        with pytest.raises(StoreError):
+            s.get(ps[0].id)  # the oldest fell out of memory: it is read from the database
+    with Store(tmp_path, "pool-a") as s:
+        assert [s.get(p.id).raw for p in ps] == raws  # byte for byte, as stored
+        assert s.get(ps[0].id).body == {"choices": [{"text": "é"}], "n": 0}
+
+
+def test_sync_modes(tmp_path: Path) -> None:
+    for mode, level in (("normal", 1), ("full", 2)):
+        with Store(tmp_path / mode, "pool-a", synchronous=mode) as s:
+            assert s._con.execute("PRAGMA synchronous").fetchone() == (level,)
+    with pytest.raises(ValueError, match="synchronous must be one of"):
+        Store(tmp_path, "pool-a", synchronous="off")

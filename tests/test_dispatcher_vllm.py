@@ -313,7 +313,7 @@ async def test_label_mode_commits_without_weight_versions(tmp_path: Path, fake: 
     fake.weight_versions = False
     async with _loop(tmp_path, fake, "label") as loop:
         assert loop.status()["weight_check"] == "label"
-        ids = [loop.accept("completion", {"prompt": [1, 2], "max_tokens": 2}).id
+        ids = [(await loop.accept("completion", {"prompt": [1, 2], "max_tokens": 2})).id
                for _ in range(3)]  # fmt: skip
         with trio.fail_after(10):
             assert loop._current is not None
@@ -334,7 +334,7 @@ async def test_label_mode_refuses_another_label(
     commit for a whole turn, the request stays pending; once the label is right, commit."""
     fake.weight_versions = False
     async with _loop(tmp_path, fake, "label") as loop:
-        p = loop.accept("completion", {"prompt": [1, 2], "max_tokens": 2})
+        p = await loop.accept("completion", {"prompt": [1, 2], "max_tokens": 2})
         fake.on_complete = lambda: setattr(fake, "version", "r0")
         cur = loop._current
         assert cur is not None
@@ -357,7 +357,7 @@ async def test_label_mode_epoch_and_abort_still_refuse(tmp_path: Path, fake: Fak
     fake.weight_versions = False
     async with _loop(tmp_path, fake, "label") as loop:
         await loop.replica.load("r1", "/ckpt/r1")
-        p = loop.accept("completion", {"prompt": [1], "max_tokens": 2})
+        p = await loop.accept("completion", {"prompt": [1], "max_tokens": 2})
         fake.on_complete = lambda: setattr(loop.replica, "epoch", loop.replica.epoch + 1)
         with trio.fail_after(10):
             await loop.serving._send(loop._current, p, trio.CancelScope(), loop.replica.epoch)
@@ -372,7 +372,7 @@ async def test_label_mode_failed_weight_info_is_a_failed_send(
     fake.weight_versions = False
     async with _loop(tmp_path, fake, "label") as loop:
         await loop.replica.load("r1", "/ckpt/r1")
-        p = loop.accept("completion", {"prompt": [1], "max_tokens": 2})
+        p = await loop.accept("completion", {"prompt": [1], "max_tokens": 2})
         fake.on_complete = lambda: setattr(fake, "weight_info_error", 500)
         with trio.fail_after(10):
             await loop.serving._send(loop._current, p, trio.CancelScope(), loop.replica.epoch)
@@ -396,7 +396,8 @@ async def test_spans_mode_against_an_old_vllm_says_so_once(
     caplog.set_level(logging.WARNING, logger="dispatcher.serve")
     async with _loop(tmp_path, fake, "spans") as loop:
         assert loop.status()["weight_check"] == "spans"
-        ids = [loop.accept("completion", {"prompt": [1], "max_tokens": 2}).id for _ in range(2)]
+        ids = [(await loop.accept("completion", {"prompt": [1], "max_tokens": 2})).id
+               for _ in range(2)]  # fmt: skip
         cur = loop._current
         assert cur is not None
         cur.waiting_seen_at = trio.current_time()
@@ -413,7 +414,7 @@ async def test_spans_mode_against_an_old_vllm_says_so_once(
 
 async def test_spans_mode_with_weight_versions_commits(tmp_path: Path, fake: FakeVllm) -> None:
     async with _loop(tmp_path, fake, "spans") as loop:
-        p = loop.accept("completion", {"prompt": [1], "max_tokens": 2})
+        p = await loop.accept("completion", {"prompt": [1], "max_tokens": 2})
         with trio.fail_after(10):
             assert loop._current is not None
             assert await loop.serving.serve(loop._current) == "idle"

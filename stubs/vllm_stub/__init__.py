@@ -7,6 +7,7 @@
         [--dtype auto] [--weights-bytes 2GiB] [--context-bytes 512MiB]
         [--tokens-per-s 2000] [--boot-delay 0] [--reload-seconds 0.05]
         [--fake-workload LABEL] [--fail-reload] [--hang-requests]
+        [--http-server hypercorn|lean]
 
 The contract is ``VLLM_API.md`` (read from the vllm 0.33.0 wheel); bodies, error
 ``type``/``param`` values and edge cases were checked against a real vLLM 0.32.0 server
@@ -21,7 +22,14 @@ own pid), ``engine`` (sleep/pause/weights state and generation), ``openai``
 Stub-only additions
 -------------------
 - Flags ``--weights-bytes``, ``--context-bytes``, ``--tokens-per-s``, ``--boot-delay``,
-  ``--reload-seconds``, ``--fake-workload``, ``--fail-reload``, ``--hang-requests``.
+  ``--reload-seconds``, ``--fake-workload``, ``--fail-reload``, ``--hang-requests``,
+  ``--http-server``.
+- Fast mode, for a replica that must not be the ceiling (the dispatcher's sustained-rate
+  and burst benches): ``--tokens-per-s inf`` generates each token at once (one scheduler
+  checkpoint, no sleep), and ``--http-server lean`` serves the same app with the
+  dispatcher's lean HTTP/1.1 server (``gpu_slicer.dispatcher.httpserver.serve_asgi``)
+  instead of hypercorn (default), about a tenth of its CPU per request. Routes, bodies
+  and failure modes are the same in both.
 - ``POST /_stub/fault`` ``{"hang_requests": bool, "crash": bool, "fail_reload": bool,
   "hang_sleep": bool, "hang_wake": bool, "sleep_seconds": float}`` (always registered):
   ``crash`` SIGKILLs the engine core; the server then answers 503 on /health for ~0.5 s

@@ -2,7 +2,8 @@
 
 Unknown flags are refused (argparse, exit 2) as vLLM refuses them. Besides vLLM's own
 flags it takes the stub's fake-GPU knobs (``--weights-bytes`` and friends) and fault
-injection flags (``--fail-reload``, ``--hang-requests``).
+injection flags (``--fail-reload``, ``--hang-requests``), and ``--http-server
+hypercorn|lean`` (which HTTP server serves the same app).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from stubs.fakegpu import FakeGpuError, Ledger, parse_size
 from stubs.vllm_stub.config import Config
 from stubs.vllm_stub.server import serve
 
-__all__ = ["build_parser", "main", "parse_args"]
+__all__ = ["HTTP_SERVERS", "build_parser", "main", "parse_args"]
+
+HTTP_SERVERS = ("hypercorn", "lean")  # lean: gpu_slicer.dispatcher.httpserver.serve_asgi
 
 
 def _size(text: str) -> int:
@@ -64,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fake-workload", default=os.environ.get("FAKEGPU_WORKLOAD") or "vllm")
     g.add_argument("--fail-reload", action="store_true")
     g.add_argument("--hang-requests", action="store_true")
+    g.add_argument("--http-server", choices=HTTP_SERVERS, default="hypercorn")
     return p
 
 
@@ -100,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         hang_requests=args.hang_requests,
         gpu=visible_gpu(),
         dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1",
+        http_server=args.http_server,
     )
 
 

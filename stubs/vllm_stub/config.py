@@ -33,3 +33,4 @@ class Config:
     hang_requests: bool
     gpu: int
     dev_mode: bool
+    http_server: str = "hypercorn"  # or "lean": gpu_slicer.dispatcher.httpserver

@@ -2,10 +2,13 @@
 
 Boot order (each step logged to stderr): start the engine-core child, let it allocate
 context, weights and KV cache (and sit through ``--boot-delay``) while SIGTERM is
-ignored, only then bind the port and log ``stub: healthy``. After that SIGTERM/SIGINT
-shut down cleanly (exit 0: the core frees its memory and exits); the core dying makes
-the server exit after a short grace during which /health answers 503, with code 0, as
-vLLM 0.32's API server does when its engine core dies.
+ignored, only then bind the port and log ``stub: healthy``. The port is served by
+hypercorn's trio worker, or with ``--http-server lean`` by the dispatcher's lean HTTP/1.1
+server (``gpu_slicer.dispatcher.httpserver.serve_asgi``: the same app, routes and bodies,
+about a tenth of hypercorn's CPU per request) for a replica that must not be the ceiling.
+After that SIGTERM/SIGINT shut down cleanly (exit 0: the core frees its memory and
+exits); the core dying makes the server exit after a short grace during which /health
+answers 503, with code 0, as vLLM 0.32's API server does when its engine core dies.
 """
 
 from __future__ import annotations
@@ -113,15 +116,15 @@ async def serve(cfg: Config) -> int:
 
         nursery.start_soon(on_signal)
         nursery.start_soon(on_core_death)
+        if cfg.http_server == "lean":
+            # Imported here: the stub runs (hypercorn) on trees without the lean server.
+            from gpu_slicer.dispatcher.httpserver import serve_asgi
+
+            front: Any = partial(serve_asgi, asgi, hconf.bind[0], stop, grace=SHUTDOWN_GRACE_S)
+        else:
+            front = partial(hypercorn_serve, asgi, hconf, shutdown_trigger=stop.wait)
         try:
-            binds = await nursery.start(
-                partial(
-                    hypercorn_serve,
-                    asgi,
-                    hconf,
-                    shutdown_trigger=stop.wait,
-                )
-            )
+            binds = await nursery.start(front)
         except OSError as e:
             print(f"OSError: {e}", file=sys.stderr)
             exit_code = 1
@@ -133,7 +136,7 @@ async def serve(cfg: Config) -> int:
             for req in list(engine.requests):
                 req.abort()
         with trio.move_on_after(SHUTDOWN_GRACE_S + 1):
-            # hypercorn returns once its connections are closed
+            # the front returns once its connections are closed
             while engine.requests:
                 await trio.sleep(0.01)
         stop.set()
