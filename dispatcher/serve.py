@@ -14,8 +14,8 @@ Inside a turn (:meth:`Serving.serve`)::
                                                    loaded one (no reload)
            _load(revision) as a whole              <= load_timeout, only with no send
                                                    in flight
-           _fill(): send pending requests of it    <= concurrency at once, each bounded
-                                                   by its deadline
+           fill(): send pending requests of it     <= concurrency at once, each bounded
+                                                   by its deadline (dispatcher.sending)
            _judge(): commit only if core.result_ok
                                                    (--weight-check label: after one
                                                    bounded GET /weight_info)
@@ -31,24 +31,24 @@ sample is not sent again; if the group fails it stays pending and is sent again 
 (:meth:`Replica.complete_raw <dispatcher.vllm.Replica.complete_raw>`), never re-encoded
 (but for the samples of a batch: each part is encoded once, below).
 
-Batched prompts (``TurnConfig.batch_prompts``, ``--batch-prompts N``; default 1: one
-send per sample, exactly as described above). With N > 1, :meth:`Serving._fill` packs up
-to N sendable *completion* samples of the revision served that share core.batch_key
-(identical params, the same prompt form: text or token ids, never mixed) into ONE send,
-``prompt`` a list (core.batch_request_body); ``concurrency`` bounds sends, a batch is
-one. Each member has its own in-flight entry, all under the batch's one cancel scope:
-expiring one member cancels the send, and the others, still pending, go in the next
-fill. The answer is split by core.split_batch (an answer whose choices cannot be split
-counts as reject ``choices`` for every member); each part is judged by core.result_ok
-on its own and committed through the journal as its own bytes (the answer's top-level
-fields, its own choices renumbered from 0, the whole send's ``usage`` and ``"batch":
-{"size": K, "position": I}``). A 400/422 cannot say which prompt is bad: nothing fails;
-the members are marked to be sent alone and go at once (reject ``batch_refused``), so a
-bad prompt then fails alone with vLLM's error. A 5xx or no answer marks the replica
-failed as for one sample; an unexpected error sends the members alone from then on. In
-``"label"`` mode one ``/weight_info`` read follows each batch answer. Chat samples are
-never batched. ``Counters.sends`` counts HTTP sends, ``Counters.batched_samples`` the
-samples sent in batches.
+Batched prompts (``TurnConfig.batch_prompts``, ``--batch-prompts N``; default 1: one send
+per sample, exactly as described above). With N > 1, :meth:`Sender.fill
+<dispatcher.sending.Sender.fill>` packs up to N sendable *completion* samples of the
+revision served that share core.batch_key (identical params, the same prompt form: text
+or token ids, never mixed) into ONE send, ``prompt`` a list (core.batch_request_body);
+``concurrency`` bounds sends, a batch is one. Each member has its own in-flight entry,
+all under the batch's one cancel scope: expiring one member cancels the send, and the
+others, still pending, go in the next fill. The answer is split by core.split_batch (an
+answer whose choices cannot be split counts as reject ``choices`` for every member); each
+part is judged by core.result_ok on its own and committed through the journal as its own
+bytes (the answer's top-level fields, its own choices renumbered from 0, the whole send's
+``usage`` and ``"batch": {"size": K, "position": I}``). A 400/422 cannot say which prompt
+is bad: nothing fails; the members are marked to be sent alone and go at once (reject
+``batch_refused``), so a bad prompt then fails alone with vLLM's error. A 5xx or no
+answer marks the replica failed as for one sample; an unexpected error sends the members
+alone from then on. In ``"label"`` mode one ``/weight_info`` read follows each batch
+answer. Chat samples are never batched. ``Counters.sends`` counts HTTP sends,
+``Counters.batched_samples`` the samples sent in batches.
 
 A rejected or failed send is retried after ``RETRY_AFTER_S``; vLLM's own 400/422 fails
 the request for good (retrying cannot help); a 5xx or no answer marks the replica failed,
@@ -87,7 +87,6 @@ cause (a vLLM older than 0.33) and the fix (``--weight-check label``).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -95,17 +94,8 @@ from typing import Any
 
 import trio
 
-from gpu_slicer.dispatcher.core import (
-    TurnPlan,
-    batch_key,
-    batch_request_body,
-    next_revision,
-    request_body,
-    result_ok,
-    split_batch,
-    weight_versions,
-)
-from gpu_slicer.dispatcher.errors import DispatchError, ReplicaError, StoreError
+from gpu_slicer.dispatcher.core import TurnPlan, next_revision
+from gpu_slicer.dispatcher.errors import ReplicaError, StoreError
 from gpu_slicer.dispatcher.events import EventStream
 from gpu_slicer.dispatcher.journal import Journal
 from gpu_slicer.dispatcher.model import (
@@ -117,8 +107,14 @@ from gpu_slicer.dispatcher.model import (
     TurnConfig,
     TurnState,
 )
+from gpu_slicer.dispatcher.sending import (  # the send side; its names are exported here too
+    NO_WEIGHT_VERSIONS_ERROR,
+    RETRY_AFTER_S,
+    SEND_FAILED,
+    Sender,
+)
 from gpu_slicer.dispatcher.store import Store
-from gpu_slicer.dispatcher.vllm import CONTROL_TIMEOUT_S, Replica
+from gpu_slicer.dispatcher.vllm import Replica
 
 __all__ = [
     "LOAD_BACKOFF_MAX_S",
@@ -132,42 +128,9 @@ __all__ = [
 
 log = logging.getLogger("dispatcher.serve")
 
-RETRY_AFTER_S = 1.0  # a rejected or failed send is tried again after this
-_PERMANENT = (400, 422)  # vLLM refused the request itself: retrying cannot help
 LOAD_BACKOFF_MIN_S, LOAD_BACKOFF_MAX_S = 1.0, 30.0  # a revision whose load failed waits
 LOAD_HEALTH_TIMEOUT_S = 5.0  # the /health probe that tells a refusal from a dead replica
 LOAD_FAILED = "load failed"  # how the error of a request failed by its revision starts
-SEND_FAILED = "send failed"  # how the error of a request failed by its sends starts
-NO_WEIGHT_VERSIONS_ERROR = (
-    "replica returned no weight_versions: vLLM older than 0.33 ignores "
-    "return_weight_versions, so no result can be committed; start slicer-dispatch with "
-    "--weight-check label"
-)
-
-
-def _reject_reason(
-    body: dict[str, Any], p: Pending, epoch_at_send: int, epoch_now: int, label: str | None = None
-) -> str:
-    """Why :func:`core.result_ok` refused ``body`` (a metrics label); ``label`` as there."""
-    choices = body.get("choices")
-    if not isinstance(choices, list) or len(choices) != (p.params.get("n") or 1):
-        return "choices"
-    if any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices):
-        return "aborted"
-    if epoch_at_send != epoch_now:
-        return "epoch"
-    if label is not None:
-        return "weight_label"  # the label, or the revision loaded, is another one
-    if any(not spans for spans in weight_versions(body)):
-        return "no_weight_versions"
-    return "weight_version"
-
-
-def _no_weight_versions_at_all(body: dict[str, Any]) -> bool:
-    """Whether ``body`` has choices but none carries ``weight_versions`` (a vLLM that
-    ignores ``return_weight_versions``)."""
-    spans = weight_versions(body)
-    return bool(spans) and not any(spans)
 
 
 class Serving:
@@ -198,11 +161,15 @@ class Serving:
         self._finished: dict[str, trio.Event] = {}
         self._in_flight: dict[str, trio.CancelScope] = {}
         self._retry_at: dict[str, float] = {}
-        self._told_no_weight_versions = False  # the error is logged once per loop
         self._send_errors: dict[str, int] = {}  # id -> unexpected errors of its sends
         self._load_backoff: dict[str, LoadBackoff] = {}  # revision -> its failed loads
-        self._sends = 0  # HTTP sends in flight (a batch of prompts is one)
         self._alone: set[str] = set()  # ids never batched again (a batch of theirs was refused)
+        self._sender = Sender(
+            store, self.journal, replica, cfg, counters,
+            in_flight=self._in_flight, retry_at=self._retry_at, alone=self._alone,
+            send_errors=self._send_errors, signal=self.signal, commit=self._commit,
+            fail=self._fail,
+        )  # fmt: skip
 
     # -- waiting ---------------------------------------------------------------------
 
@@ -286,14 +253,6 @@ class Serving:
 
     # -- serving ---------------------------------------------------------------------
 
-    def _sendable(self, p: Pending, now: float) -> bool:
-        # A result waiting for its group commit is not sent again (dispatcher.journal).
-        return (
-            p.id not in self._in_flight
-            and self._retry_at.get(p.id, 0.0) <= now
-            and not self.journal.queued(p.id)
-        )
-
     def _loadable(self, revision: str, now: float) -> bool:
         """Whether ``revision`` may be served now: loaded, or not backed off."""
         b = self._load_backoff.get(revision)
@@ -315,7 +274,9 @@ class Serving:
         loaded = self.replica.known_version
         want = next_revision(revs, loaded)
         stuck = want is not None and want == loaded and not self._in_flight
-        if stuck and not any(self._sendable(p, now) for p in self.store.iter_pending(loaded or "")):
+        if stuck and not any(
+            self._sender.sendable(p, now) for p in self.store.iter_pending(loaded or "")
+        ):
             others = [r for r in revs if r != loaded]
             return others[0] if others else want
         return want
@@ -357,7 +318,7 @@ class Serving:
                     if cur.serving_since is None:
                         cur.serving_since = now
                         log.info("turn %d: serving revision %s (%d pending)", n, want, pending)
-                    self._fill(sends, cur, want, now)
+                    self._sender.fill(sends, cur, want, now)
                 ends = TurnPlan(self.cfg.turn_seconds).ends_at(
                     cur.serving_since or now, cur.waiting_seen_at
                 )
@@ -435,227 +396,6 @@ class Serving:
             self._fail(p, msg)
         del self._load_backoff[revision]  # a later request starts afresh (the path may be back)
 
-    def _fill(self, sends: trio.Nursery, cur: TurnState, revision: str, now: float) -> None:
-        free = self.cfg.concurrency - self._sends
-        if free <= 0:
-            return
-        size = self.cfg.batch_prompts
-        if size <= 1:
-            for p in self.store.iter_pending(revision):
-                if free <= 0:
-                    break
-                if self._sendable(p, now):
-                    self._start(sends, cur, [p])
-                    free -= 1
-            return
-        # Up to `free` sends of up to `size` samples; the scan ends after `free * size`
-        # sendable ones (those in flight sit at the front), not at the end of the queue.
-        groups: dict[str, list[Pending]] = {}
-        budget = free * size
-        for p in self.store.iter_pending(revision):
-            if free <= 0 or budget <= 0:
-                break
-            if not self._sendable(p, now):
-                continue
-            budget -= 1
-            key = self._batch_key(p)
-            if key is None:
-                self._start(sends, cur, [p])
-                free -= 1
-                continue
-            group = groups.setdefault(key, [])
-            group.append(p)
-            if len(group) == size:
-                del groups[key]
-                self._start(sends, cur, group)
-                free -= 1
-        for group in groups.values():  # the partial batches, oldest first
-            if free <= 0:
-                break
-            self._start(sends, cur, group)
-            free -= 1
-
-    def _batch_key(self, p: Pending) -> str | None:
-        """``p``'s core.batch_key, or None when it is sent alone (a chat, a member of a
-        refused batch, params that are no JSON)."""
-        if p.kind != "completion" or p.prompt is None or p.id in self._alone:
-            return None
-        try:
-            return batch_key(p)
-        except (TypeError, ValueError):
-            return None
-
-    def _start(self, sends: trio.Nursery, cur: TurnState, ps: list[Pending]) -> None:
-        # One scope for the send, under every member: expiring one cancels the send.
-        scope = trio.CancelScope()
-        for p in ps:
-            self._in_flight[p.id] = scope
-        self._sends += 1
-        sends.start_soon(self._send_group, cur, ps, scope, self.replica.epoch)
-
-    async def _send_group(
-        self, cur: TurnState, ps: list[Pending], scope: trio.CancelScope, epoch: int
-    ) -> None:
-        """Send ``ps`` (one sample, or a batch of them) once in turn ``cur`` under
-        ``scope``: :meth:`_send` for one, :meth:`_send_batch` for more."""
-        try:
-            live = [p for p in ps if self.store.is_pending(p.id)] if len(ps) > 1 else ps
-            if len(live) == 1:
-                await self._send(cur, live[0], scope, epoch)
-            elif live:
-                await self._send_batch(cur, live, scope, epoch)
-        finally:
-            self._sends -= 1
-            for p in ps:
-                if self._in_flight.get(p.id) is scope:
-                    del self._in_flight[p.id]
-            self.signal()
-
-    async def _send(self, cur: TurnState, p: Pending, scope: trio.CancelScope, epoch: int) -> None:
-        """Send ``p`` once in turn ``cur``; commit the answer only if core.result_ok says
-        so. Any error but a cancellation ends this send only (:meth:`_send_error`)."""
-        try:
-            with scope:
-                try:
-                    await self._send_once(cur, p, epoch)
-                except Exception as e:  # ReplicaError is handled inside: this is the rest
-                    self._send_error(p, e)
-        finally:
-            self._in_flight.pop(p.id, None)
-            self.signal()
-
-    async def _send_batch(
-        self, cur: TurnState, ps: list[Pending], scope: trio.CancelScope, epoch: int
-    ) -> None:
-        """:meth:`_send` of a batch: any error but a cancellation ends this send only
-        (:meth:`_batch_error`)."""
-        with scope:
-            try:
-                await self._batch_once(cur, ps, epoch)
-            except Exception as e:  # ReplicaError is handled inside: this is the rest
-                self._batch_error(ps, e)
-
-    async def _send_once(self, cur: TurnState, p: Pending, epoch: int) -> None:
-        if not self.store.is_pending(p.id):
-            return  # finished (expired) meanwhile
-        self.journal.attempt(p)  # written with the next group (dispatcher.journal)
-        self.counters.sends += 1
-        body = request_body(p, self.cfg.model or "")
-        if not self.cfg.model:
-            del body["model"]  # vLLM serves its only model
-        timeout = max(1.0, p.deadline - time.time())
-        try:
-            raw, answer = await self.replica.complete_raw(p.kind, body, timeout)
-        except ReplicaError as e:
-            self._send_failed(cur, p, e)
-            return
-        label: str | None = None
-        if self.cfg.weight_check == "label" and self.store.is_pending(p.id):
-            # Still in flight (no load can start): read the served label once.
-            bound = min(CONTROL_TIMEOUT_S, max(1.0, p.deadline - time.time()))
-            try:
-                label = await self.replica.weight_version(bound)
-            except ReplicaError as e:
-                self._send_failed(cur, p, e, refusal=False)
-                return
-        self._judge(cur, p, raw, answer, epoch, label)
-
-    async def _batch_once(self, cur: TurnState, ps: list[Pending], epoch: int) -> None:
-        """One send of the completion samples ``ps`` (same core.batch_key); the answer is
-        split (core.split_batch) and each part judged and committed on its own."""
-        k = len(ps)
-        for p in ps:
-            self.journal.attempt(p)
-        self.counters.sends += 1
-        self.counters.batched_samples += k
-        body = batch_request_body(ps, self.cfg.model or "")
-        if not self.cfg.model:
-            del body["model"]
-        # The latest deadline: an earlier one expires its sample, which cancels the send.
-        last = max(p.deadline for p in ps)
-        timeout = max(1.0, last - time.time())
-        try:
-            _, answer = await self.replica.complete_raw("completion", body, timeout)
-        except ReplicaError as e:
-            self._batch_failed(cur, ps, e)
-            return
-        label: str | None = None
-        if self.cfg.weight_check == "label" and any(self.store.is_pending(p.id) for p in ps):
-            # Still in flight (no load can start): one label read for the whole batch.
-            bound = min(CONTROL_TIMEOUT_S, max(1.0, last - time.time()))
-            try:
-                label = await self.replica.weight_version(bound)
-            except ReplicaError as e:
-                self._batch_failed(cur, ps, e, refusal=False)
-                return
-        parts = split_batch(answer, k, ps[0].params.get("n") or 1)
-        if parts is None:
-            self.counters.rejects["choices"] += k
-            retry_at = trio.current_time() + RETRY_AFTER_S
-            for p in ps:
-                self._retry_at[p.id] = retry_at
-            log.warning("batch of %d (revision %s, first %s): its choices cannot be split by "
-                        "prompt; not committed, they stay pending", k, ps[0].revision,
-                        ps[0].id)  # fmt: skip
-            return
-        for p, part in zip(ps, parts, strict=True):
-            own = json.dumps(part, ensure_ascii=False, separators=(",", ":")).encode()
-            self._judge(cur, p, own, part, epoch, label)
-
-    def _batch_failed(
-        self, cur: TurnState, ps: list[Pending], e: ReplicaError, *, refusal: bool = True
-    ) -> None:
-        """A batch send (or, ``refusal`` False, its ``/weight_info`` check) failed. vLLM's
-        400/422 cannot say which prompt it refused: every member is sent alone at once, so
-        a bad one then fails alone with vLLM's own error. Otherwise as :meth:`_send_failed`
-        for each member (a 5xx or no answer marks the replica failed)."""
-        live = [p for p in ps if self.store.is_pending(p.id)]
-        if refusal and e.status in _PERMANENT:
-            self.counters.rejects["batch_refused"] += len(live)
-            self._alone.update(p.id for p in live)
-            log.info("batch of %d (revision %s) refused (HTTP %s: %s); each is sent alone",
-                     len(ps), ps[0].revision, e.status, e)  # fmt: skip
-            return
-        self.counters.rejects["error"] += len(live)
-        retry_at = trio.current_time() + RETRY_AFTER_S
-        for p in live:
-            self._retry_at[p.id] = retry_at
-        log.warning("batch of %d (revision %s, first %s): send failed (%s); they stay pending",
-                    len(ps), ps[0].revision, ps[0].id, e)  # fmt: skip
-        if e.status is None or e.status >= 500:
-            cur.replica_failed = str(e)
-            self.signal()
-
-    def _batch_error(self, ps: list[Pending], e: Exception) -> None:
-        """An unexpected error ended a batch send: its members are sent alone from now on,
-        where :meth:`_send_error` counts and bounds each one's errors."""
-        self.counters.send_errors += 1
-        trace = None if isinstance(e, DispatchError) else e
-        log.error("batch of %d (revision %s, first %s) failed (%s: %s); each is sent alone",
-                  len(ps), ps[0].revision, ps[0].id, type(e).__name__, e,
-                  exc_info=trace)  # fmt: skip
-        self._alone.update(p.id for p in ps if self.store.is_pending(p.id))
-
-    def _send_error(self, p: Pending, e: Exception) -> None:
-        """An unexpected error ended a send of ``p``: retry it later, and fail it after
-        ``max_send_errors`` of them (module docstring)."""
-        self.counters.send_errors += 1
-        n = self._send_errors[p.id] = self._send_errors.get(p.id, 0) + 1
-        what = f"{type(e).__name__}: {e}"
-        # A store error is reported by the store; anything else is a bug worth its trace.
-        trace = None if isinstance(e, DispatchError) else e
-        if n < self.cfg.max_send_errors:
-            log.error("%s (revision %s): send %d of %d failed (%s); stays pending", p.id,
-                      p.revision, n, self.cfg.max_send_errors, what, exc_info=trace)  # fmt: skip
-            self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
-            return
-        msg = (
-            f"{SEND_FAILED}: sample {p.id} (pool {p.pool}, revision {p.revision}) could not "
-            f"be sent {n} times; last error: {what}"
-        )
-        log.error("%s", msg, exc_info=trace)
-        self._fail(p, msg)
-
     def _fail(self, p: Pending, error: str) -> None:
         """Fail ``p`` with ``error`` through the journal: once committed it is published
         and its waiters are woken; if the commit failed it stays pending (sent again)."""
@@ -695,51 +435,3 @@ class Serving:
             self.signal()
 
         self.journal.finish(p.id, "done", raw=raw, on_stored=stored, on_error=not_stored)
-
-    def _judge(
-        self,
-        cur: TurnState,
-        p: Pending,
-        raw: bytes,
-        answer: dict[str, Any],
-        epoch: int,
-        label: str | None,
-    ) -> None:
-        """Commit ``answer`` (``raw``: its bytes) as ``p``'s result if core.result_ok says
-        so (``label``: the ``/weight_info`` label read after it in label mode, else None)."""
-        if not self.store.is_pending(p.id) or self.journal.queued(p.id):
-            return
-        loaded = self.replica.known_version or ""
-        if result_ok(p, answer, loaded, epoch, self.replica.epoch, label):
-            self._commit(cur, p, raw)  # as vLLM returned it
-            return
-        reason = _reject_reason(answer, p, epoch, self.replica.epoch, label)
-        self.counters.rejects[reason] += 1
-        self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
-        if (
-            label is None
-            and reason == "no_weight_versions"
-            and _no_weight_versions_at_all(answer)
-            and not self._told_no_weight_versions
-        ):
-            self._told_no_weight_versions = True
-            log.error("%s", NO_WEIGHT_VERSIONS_ERROR)
-        log.warning("%s (revision %s): result not committed (%s); stays pending", p.id,
-                    p.revision, reason)  # fmt: skip
-
-    def _send_failed(
-        self, cur: TurnState, p: Pending, e: ReplicaError, *, refusal: bool = True
-    ) -> None:
-        """A send in turn ``cur`` (or, ``refusal`` False, its ``/weight_info`` check)
-        failed: retry it later, marking the replica failed on a 5xx or no answer. With
-        ``refusal`` vLLM's 400/422 fails the request for good; a failed check never does."""
-        if refusal and e.status in _PERMANENT and self.store.is_pending(p.id):
-            self.counters.refused_by_replica += 1
-            self._fail(p, f"refused by the replica (HTTP {e.status}): {e}")
-            return
-        self.counters.rejects["error"] += 1
-        self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
-        log.warning("%s: send failed (%s); stays pending", p.id, e)
-        if e.status is None or e.status >= 500:
-            cur.replica_failed = str(e)
-            self.signal()

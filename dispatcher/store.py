@@ -35,8 +35,9 @@ reads no SQLite and parses no JSON; older ones are read from the database. A bod
 kept as the bytes vLLM returned (:attr:`Result.raw <dispatcher.model.Result.raw>`),
 stored as TEXT when it is UTF-8 (always, for JSON), byte for byte.
 
-Pending requests are also held in memory, in acceptance order, so the turn loop reads
-them without touching the disk; on open the pending rows of this pool are loaded back.
+Pending requests are also held in memory, in acceptance order
+(:class:`~dispatcher.pending.PendingIndex`), so the turn loop reads them without touching
+the disk; on open the pending rows of this pool are loaded back.
 Token prompts are kept as ``array('i')`` (4 bytes per token) to keep a million pending
 tokens within a few MiB.
 
@@ -53,7 +54,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import heapq
 import json
 import logging
 import math
@@ -76,6 +76,7 @@ from gpu_slicer.dispatcher.errors import (
     UnknownRevision,
 )
 from gpu_slicer.dispatcher.model import Pending, Result, Revision
+from gpu_slicer.dispatcher.pending import PendingIndex
 from gpu_slicer.dispatcher.rows import (
     SCHEMA,
     Finish,
@@ -159,13 +160,8 @@ class Store:
         self.max_prompt_tokens = max_prompt_tokens
         self.max_prompt_bytes = max_prompt_bytes
         self.path = Path(state_dir) / DB_NAME
-        # id -> Pending in acceptance order; per revision the same, for the turn loop.
-        self._pending: dict[str, Pending] = {}
-        self._by_rev: dict[str, dict[str, Pending]] = {}
-        # Lazy-deletion heap of (deadline, seq, id): expire() is O(expired log n).
-        self._deadlines: list[tuple[float, int, str]] = []
-        self._seq = 0
-        self._tokens = 0
+        self._index = PendingIndex()
+        self._pending = self._index.by_id  # the hot lookups read the dict itself
         self._finished = {"done": 0, "failed": 0}
         self._recent: OrderedDict[str, Result] = OrderedDict()  # id -> newest results
         self._recent_bytes = 0
@@ -270,30 +266,10 @@ class Store:
             held: array.array[int] | bytes | None = None
             if prompt is not None:
                 held = bytes(prompt) if is_text else blob_to_tokens(prompt)
-            self._index(
+            self._index.add(
                 Pending(sid, self.pool, rev, kind, json.loads(params), held,
                         None if messages is None else bytes(messages), acc, deadline, attempts)
             )  # fmt: skip
-
-    def _index(self, p: Pending) -> None:
-        self._pending[p.id] = p
-        self._by_rev.setdefault(p.revision, {})[p.id] = p
-        self._seq += 1
-        heapq.heappush(self._deadlines, (p.deadline, self._seq, p.id))
-        if isinstance(p.prompt, array.array):
-            self._tokens += len(p.prompt)
-
-    def _unindex(self, sid: str) -> Pending | None:
-        p = self._pending.pop(sid, None)
-        if p is None:
-            return None
-        per_rev = self._by_rev[p.revision]
-        del per_rev[sid]
-        if not per_rev:
-            del self._by_rev[p.revision]
-        if isinstance(p.prompt, array.array):
-            self._tokens -= len(p.prompt)
-        return p
 
     # -- revisions -------------------------------------------------------------------
 
@@ -503,11 +479,11 @@ class Store:
                 )
         # Only after the commit: a request the caller never saw acknowledged is not held.
         for s in new:
-            self._index(s.pending)
+            self._index.add(s.pending)
         for f, ok in zip(finishes, stored, strict=True):
             if not ok:
                 continue
-            p = self._unindex(f.id)
+            p = self._index.remove(f.id)
             assert p is not None
             self._finished[f.status] = self._finished.get(f.status, 0) + 1
             self._remember(Result(f.id, f.status, f.raw, f.error, p.revision, p.pool))
@@ -525,26 +501,20 @@ class Store:
 
     def pending(self, revision: str | None = None) -> list[Pending]:
         """Pending requests (of ``revision``, or all) in acceptance order."""
-        if revision is None:
-            return list(self._pending.values())
-        return list(self._by_rev.get(revision, {}).values())
+        return self._index.pending(revision)
 
     def iter_pending(self, revision: str) -> Iterator[Pending]:
         """The pending requests of ``revision`` in acceptance order, without a copy (do
         not change the store while iterating)."""
-        return iter(self._by_rev.get(revision, {}).values())
+        return self._index.iter_pending(revision)
 
     def pending_count(self, revision: str) -> int:
         """How many requests of ``revision`` are pending (O(1): no copy)."""
-        return len(self._by_rev.get(revision, ()))
+        return self._index.count(revision)
 
     def pending_revisions(self) -> list[str]:
         """Revisions that have pending requests, the one waiting longest first."""
-
-        def oldest(rev: str) -> float:
-            return next(iter(self._by_rev[rev].values())).accepted_at
-
-        return sorted(self._by_rev, key=oldest)
+        return self._index.revisions()
 
     def is_pending(self, id: str) -> bool:
         """Whether ``id`` is still pending (cheap: in memory)."""
@@ -601,12 +571,7 @@ class Store:
 
     def expire(self, now: float) -> list[Pending]:
         """Fail every pending request whose deadline is at or before ``now``; return them."""
-        due: list[Pending] = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, sid = heapq.heappop(self._deadlines)
-            p = self._pending.get(sid)
-            if p is not None:  # finished ones are left in the heap and skipped here
-                due.append(p)
+        due = self._index.due(now)
         if not due:
             return []
         try:
@@ -618,12 +583,10 @@ class Store:
                         (self.deadline_error(p, now), now, p.id),
                     )
         except StoreError:
-            # Keep them due: the next expire() retries instead of forgetting them.
-            for p in due:
-                heapq.heappush(self._deadlines, (p.deadline, 0, p.id))
+            self._index.keep_due(due)  # the next expire() retries instead of forgetting them
             raise
         for p in due:
-            self._unindex(p.id)
+            self._index.remove(p.id)
             self._finished["failed"] += 1
             self._remember(Result(p.id, "failed", None, self.deadline_error(p, now),
                                   p.revision, p.pool))  # fmt: skip
@@ -645,4 +608,5 @@ class Store:
 
     def pending_token_bytes(self) -> tuple[int, int]:
         """(token ids held in pending prompts, bytes of their arrays' buffers)."""
-        return self._tokens, self._tokens * 4
+        tokens = self._index.tokens
+        return tokens, tokens * 4

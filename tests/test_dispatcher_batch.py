@@ -21,14 +21,12 @@ import pytest
 import trio
 
 from gpu_slicer.dispatcher.core import batch_key, batch_request_body, split_batch
-from gpu_slicer.dispatcher.model import Pending, Phase, TurnConfig, TurnState
+from gpu_slicer.dispatcher.model import Pending, TurnConfig
 from gpu_slicer.dispatcher.store import Store
 from gpu_slicer.dispatcher.turns import TurnLoop
-from gpu_slicer.dispatcher.vllm import Replica
-from gpu_slicer.slicer.client import Turn
 from tests.harness import running_stack
 from tests.test_dispatcher import dispatcher, publish, replica, status, stop
-from tests.test_dispatcher_vllm import FakeVllm, _err
+from tests.test_dispatcher_vllm import FakeVllm, _err, held_loop
 
 # -- the split, by table -----------------------------------------------------------------
 
@@ -175,20 +173,8 @@ class BatchVllm(FakeVllm):
 async def _loop(tmp_path: Path, fake: BatchVllm, **cfg: Any) -> AsyncIterator[TurnLoop]:
     """A turn loop (never run: the tests drive its Serving) over ``fake``, holding a
     woken turn, with revision r1 published."""
-    store = Store(tmp_path / "state", "pool-a")
-    try:
-        async with Replica("http://vllm", transport=httpx.MockTransport(fake.handle)) as r:
-            loop = TurnLoop(store, r, TurnConfig(workload="v", turn_seconds=5, **cfg))
-            ckpt = tmp_path / "ckpt" / "r1"
-            ckpt.mkdir(parents=True)
-            (ckpt / "revision.txt").write_text("r1")
-            loop.publish("r1", str(ckpt))
-            loop._current = TurnState(Turn("v", 1, False, 0))
-            loop._enter(Phase.ACQUIRING)
-            loop._enter(Phase.WAKING)
-            yield loop
-    finally:
-        store.close()
+    async with held_loop(tmp_path, fake.handle, **cfg) as loop:
+        yield loop
 
 
 async def _serve(loop: TurnLoop) -> None:

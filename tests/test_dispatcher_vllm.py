@@ -281,13 +281,21 @@ async def test_load_is_bounded_as_a_whole(autojump_clock: Any) -> None:
 
 @asynccontextmanager
 async def _loop(tmp_path: Path, fake: FakeVllm, weight_check: str) -> AsyncIterator[TurnLoop]:
-    """A turn loop (never run: tests drive its Serving) over ``fake``, holding a turn
-    (woken), with revision r1 published."""
+    """:func:`held_loop` over ``fake`` with ``weight_check``."""
+    async with held_loop(tmp_path, fake, weight_check=weight_check) as loop:
+        yield loop
+
+
+@asynccontextmanager
+async def held_loop(
+    tmp_path: Path, handler: Callable[[httpx.Request], httpx.Response], **cfg: Any
+) -> AsyncIterator[TurnLoop]:
+    """A turn loop (never run: tests drive its Serving) over the vLLM ``handler``, holding
+    a turn (woken), with revision r1 published; ``cfg``: TurnConfig fields."""
     store = Store(tmp_path / "state", "pool-a")
     try:
-        async with Replica("http://vllm", transport=httpx.MockTransport(fake)) as r:
-            cfg = TurnConfig(workload="v", turn_seconds=5, weight_check=weight_check)
-            loop = TurnLoop(store, r, cfg)
+        async with Replica("http://vllm", transport=httpx.MockTransport(handler)) as r:
+            loop = TurnLoop(store, r, TurnConfig(workload="v", turn_seconds=5, **cfg))
             ckpt = tmp_path / "ckpt" / "r1"
             ckpt.mkdir(parents=True)
             (ckpt / "revision.txt").write_text("r1")
@@ -348,7 +356,9 @@ async def test_label_mode_refuses_another_label(
         fake.on_complete = None
         fake.version = "r1"
         with trio.fail_after(10):
-            await loop.serving._send(loop._current, p, trio.CancelScope(), loop.replica.epoch)
+            await loop.serving._sender._send(
+                loop._current, p, trio.CancelScope(), loop.replica.epoch
+            )
         assert _choices(loop, p.id)[0]["text"] == "ab"
         assert "weight_versions" not in _choices(loop, p.id)[0]  # never fabricated
 
@@ -360,7 +370,9 @@ async def test_label_mode_epoch_and_abort_still_refuse(tmp_path: Path, fake: Fak
         p = await loop.accept("completion", {"prompt": [1], "max_tokens": 2})
         fake.on_complete = lambda: setattr(loop.replica, "epoch", loop.replica.epoch + 1)
         with trio.fail_after(10):
-            await loop.serving._send(loop._current, p, trio.CancelScope(), loop.replica.epoch)
+            await loop.serving._sender._send(
+                loop._current, p, trio.CancelScope(), loop.replica.epoch
+            )
         assert loop.store.is_pending(p.id) and loop.counters.rejects == {"epoch": 1}
 
 
@@ -375,14 +387,18 @@ async def test_label_mode_failed_weight_info_is_a_failed_send(
         p = await loop.accept("completion", {"prompt": [1], "max_tokens": 2})
         fake.on_complete = lambda: setattr(fake, "weight_info_error", 500)
         with trio.fail_after(10):
-            await loop.serving._send(loop._current, p, trio.CancelScope(), loop.replica.epoch)
+            await loop.serving._sender._send(
+                loop._current, p, trio.CancelScope(), loop.replica.epoch
+            )
         assert loop.store.is_pending(p.id) and loop.counters.rejects == {"error": 1}
         assert loop._current is not None and loop._current.replica_failed
         assert "/weight_info: HTTP 500" in loop._current.replica_failed
         loop._current.replica_failed = None
         fake.on_complete = lambda: setattr(fake, "weight_info_error", 400)
         with trio.fail_after(10):
-            await loop.serving._send(loop._current, p, trio.CancelScope(), loop.replica.epoch)
+            await loop.serving._sender._send(
+                loop._current, p, trio.CancelScope(), loop.replica.epoch
+            )
         assert loop.store.is_pending(p.id) and loop.counters.refused_by_replica == 0
         assert loop._current.replica_failed is None  # a 4xx is no dead replica
 

@@ -312,26 +312,32 @@ CONTRACT: list[tuple[str, str, Any, int, Any]] = [
 ]  # fmt: skip
 
 
+async def check_contract(http: httpx.AsyncClient, ckpt: Path) -> None:
+    """Every row of :data:`CONTRACT` against the stub behind ``http`` (``ckpt``: the
+    checkpoint directory the reload rows name)."""
+    for i, (method, path, body, status, expected) in enumerate(CONTRACT):
+        if isinstance(body, Raw):
+            headers = {"content-type": "application/json"}
+            r = await http.request(method, path, content=bytes(body), headers=headers)
+        else:
+            if body is not None:
+                body = json.loads(json.dumps(body).replace(RELOAD_DIR, str(ckpt)))
+            r = await http.request(method, path, json=body)
+        row = f"row {i}: {method} {path} {body!r} -> {r.status_code} {r.text[:300]}"
+        assert r.status_code == status, row
+        if isinstance(expected, bytes):
+            assert r.content == expected, row
+        else:
+            assert matches(expected, r.json()), row
+
+
 async def test_contract_table(tmp_path: Path, ledger: Ledger) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "revision.txt").write_text("rev-1\n")
     with trio.fail_after(30):
         async with start_stub(tmp_path, "--enable-sleep-mode") as stub:
-            for i, (method, path, body, status, expected) in enumerate(CONTRACT):
-                if isinstance(body, Raw):
-                    headers = {"content-type": "application/json"}
-                    r = await stub.http.request(method, path, content=bytes(body), headers=headers)
-                else:
-                    if body is not None:
-                        body = json.loads(json.dumps(body).replace(RELOAD_DIR, str(ckpt)))
-                    r = await stub.http.request(method, path, json=body)
-                row = f"row {i}: {method} {path} {body!r} -> {r.status_code} {r.text[:300]}"
-                assert r.status_code == status, row
-                if isinstance(expected, bytes):
-                    assert r.content == expected, row
-                else:
-                    assert matches(expected, r.json()), row
+            await check_contract(stub.http, ckpt)
             models = (await stub.http.get("/v1/models")).json()
             assert models["data"][0]["id"] == MODEL
             text = (await stub.http.get("/metrics")).text

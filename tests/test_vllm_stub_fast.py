@@ -7,7 +7,6 @@ error bodies and shutdown are those of the default stub (tests/test_vllm_stub.py
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,8 @@ import trio
 
 from stubs.fakegpu import Ledger
 from tests.test_vllm_stub import (  # noqa: F401  (ledger: the fixture)
-    CONTRACT,
-    RELOAD_DIR,
-    Raw,
+    check_contract,
     ledger,
-    matches,
     start_stub,
 )
 
@@ -39,20 +35,7 @@ async def test_the_fast_stub_answers_the_whole_contract_table(
     (ckpt / "revision.txt").write_text("rev-1\n")
     with trio.fail_after(30):
         async with start_stub(tmp_path, "--enable-sleep-mode", *FAST) as stub:
-            for i, (method, path, body, status, expected) in enumerate(CONTRACT):
-                if isinstance(body, Raw):
-                    headers = {"content-type": "application/json"}
-                    r = await stub.http.request(method, path, content=bytes(body), headers=headers)
-                else:
-                    if body is not None:
-                        body = json.loads(json.dumps(body).replace(RELOAD_DIR, str(ckpt)))
-                    r = await stub.http.request(method, path, json=body)
-                row = f"row {i}: {method} {path} {body!r} -> {r.status_code} {r.text[:300]}"
-                assert r.status_code == status, row
-                if isinstance(expected, bytes):
-                    assert r.content == expected, row
-                else:
-                    assert matches(expected, r.json()), row
+            await check_contract(stub.http, ckpt)
 
 
 async def test_the_fast_stub_generates_what_the_default_one_does_and_stops_cleanly(
