@@ -2,16 +2,40 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Two stamps: `make demo` installs only what the demo needs (DEMO_STAMP); everything else
+# (`make test`, lint, the benches) needs STAMP, which adds the test tools and torch on top,
+# so `make test` after `make demo` installs only the rest. Sizes and times are what a
+# fresh venv took on a 2-core machine with the wheels on local disk (slower over a network).
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
 .PHONY: test demo lint typecheck unit integration verify-units bench clean soak test-vllm
 
 $(BIN)/python:
+	@echo "make: creating the virtual environment $(VENV) with $(PY)"
 	$(PY) -m venv $(VENV)
 
-$(STAMP): pyproject.toml stubs/pyproject.toml | $(BIN)/python
+# The product (editable), the test doubles (stubs/, the fake GPU) and matplotlib (the
+# `charts` extra: the demo's PNG). No torch: nothing the demo runs imports it.
+$(DEMO_STAMP): pyproject.toml stubs/pyproject.toml | $(BIN)/python
+	@echo "make: installing gpu-slicer, its test doubles and matplotlib into $(VENV)" \
+		"(about 210 MB, about 30 s)"
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,torch,charts]' -e ./stubs
+	$(BIN)/python -m pip install -q -e '.[charts]' -e ./stubs
+	touch $(DEMO_STAMP)
+
+# The test tools (the `dev` extra), then torch (only tests/test_offload.py,
+# tests/test_trainer_client.py and tests/test_house.py use it, through slicer/offload.py).
+# PyPI's torch is the CUDA build (several GB with its libraries): where the CPU wheel is
+# not already where pip looks, TORCH_INDEX=https://download.pytorch.org/whl/cpu gets it.
+$(STAMP): $(DEMO_STAMP) pyproject.toml stubs/pyproject.toml
+	@echo "make: installing the test tools: pytest, hypothesis, ruff, mypy, openai" \
+		"(the dev extra; about 110 MB, about 15 s)"
+	$(BIN)/python -m pip install -q -e '.[dev,charts]' -e ./stubs
+	@echo "make: installing torch (the torch extra; the CPU build: about 900 MB from a 190 MB" \
+		"wheel, about 45 s; PyPI's CUDA build is several GB, see TORCH_INDEX in the Makefile)"
+	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
+		-e '.[dev,torch,charts]' -e ./stubs
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -45,7 +69,7 @@ test: verify-units lint typecheck unit integration
 test-vllm: $(STAMP)
 	PY=$(PY) vllm_tier/run.sh
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m demo
 
 # The handoff micro-benchmark, the dispatcher benchmark, one profiled run of each (the

@@ -117,12 +117,12 @@ def markdown(
     profiles: dict[str, str],
 ) -> list[str]:
     """The section's lines."""
-    lines = ["## Hot path: the targets of issue 14, before and after\n"]
+    lines = ["## Hot path: the latency and throughput targets, before and after\n"]
     lines.append(
         "Before: measured once at commit b59b1fe (`bench/hotpath_before.json` holds the"
         " figures and the commands). After: this run (`bench/dispatch.py`, `bench/handoff.py`"
-        " and the scenarios above). One run each on this machine class; other work may share"
-        " the machine (see Machine).\n"
+        " and the scenarios above). One run each on the same kind of machine; other work may"
+        " share the machine (see Machine).\n"
     )
     lines.append("| target | before | after | verdict |")
     lines.append("|---|---|---|---|")

@@ -1,8 +1,11 @@
 """The demo's timeline chart, drawn with matplotlib (the ``charts`` extra, Agg canvas).
 
 One track per workload on a time axis (seconds since the first grant): the turns it held
-in its own colour, its parking and restoring drawn over them in theirs; the title line
-(overlaps, busy fraction, what was served) above, the legend below. matplotlib is
+in its own colour, and over them, each in its colour, the phases that move its memory:
+slicerd's `park` (to host memory, or verifying it was freed) and `restore` (back to the
+GPU), and for the sampler the dispatcher's `vLLM sleep` and `vLLM wake + load` (vLLM
+woken and the revision's weights loaded). The title line (overlaps, busy fraction, what
+was served) above, the legend below (only the phases drawn). matplotlib is
 imported only when a chart is drawn: the demo's text report never needs it
 (`ChartsMissing`)."""
 
@@ -14,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-Bar = tuple[float, float, str]  # start s, end s, kind: "held" | "parking" | "restoring"
+Bar = tuple[float, float, str]  # start s, end s, kind: "held" or a key of KIND_COLORS
 
+PARK, RESTORE, SLEEP, WAKE_LOAD = "park", "restore", "vLLM sleep", "vLLM wake + load"
 ROW_COLORS = ["tab:blue", "tab:orange", "tab:purple", "tab:brown"]
-KIND_COLORS = {"parking": "tab:red", "restoring": "tab:green"}
-KINDS = ("held", "parking", "restoring")  # drawing order: park and restore over held
+# Each phase's colour; also the legend's order and names.
+KIND_COLORS = {PARK: "tab:red", RESTORE: "tab:green", SLEEP: "tab:pink", WAKE_LOAD: "tab:cyan"}
+KINDS = ("held", *KIND_COLORS)  # drawing order: the phases over held
 CHARTS_HINT = "the chart needs matplotlib: pip install -e '.[charts]' (the `charts` extra)"
 WIDTH_IN, DPI = 10.0, 100
 TRACK_IN, FRAME_IN = 0.55, 2.0  # inches per workload track; title, legend and axis
@@ -69,7 +74,8 @@ def chart(title: str, rows: list[tuple[str, list[Bar]]], window_s: float) -> Fig
             spans = [(s, min(e, window) - s) for s, e, what in bars if what == kind and e > s]
             ax.broken_barh(spans, (k - 0.4, 0.8), color=KIND_COLORS.get(kind, color), zorder=2)
         handles.append(Patch(color=color, label=f"{name} holds the GPU"))
-    handles += [Patch(color=c, label=kind) for kind, c in KIND_COLORS.items()]
+    drawn = {what for _, bars in rows for s, e, what in bars if e > s}
+    handles += [Patch(color=c, label=kind) for kind, c in KIND_COLORS.items() if kind in drawn]
     ax.set_xlim(0, window)
     ax.set_ylim(len(rows) - 0.5, -0.5)  # the first row on top
     ax.set_yticks(range(len(rows)), [name for name, _ in rows])

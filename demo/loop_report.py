@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from demo.chart import Bar, ChartsMissing, write_chart
+from demo.chart import PARK, RESTORE, SLEEP, WAKE_LOAD, Bar, ChartsMissing, write_chart
 from demo.loop import EVENTS_FILE, describe
 from demo.proc import Recording
 from demo.report import (
@@ -53,7 +53,7 @@ def build_loop_report(
 ) -> dict[str, Any]:
     """Everything the loop demo shows, as one JSON-able dict; `ok` and `problems` decide."""
     phases = vllm_phases(base / EVENTS_FILE)
-    overlay = [("r", phases["wake"] + phases["load"]), ("p", phases["sleep"])]
+    overlay = [("w", phases["wake"] + phases["load"]), ("s", phases["sleep"])]
     a = analyze(rec, NAMES, overlay)
     overlaps = ledger.overlaps() if ledger is not None else None  # None: a real GPU
     problems = common_problems(a, overlaps or 0)
@@ -129,14 +129,14 @@ def write_png(r: dict[str, Any], path: Path) -> None:
     for t in r["turns"]:
         end = r["window_s"] if t["end"] is None else t["end"]
         bars.setdefault(t["workload"], []).append((t["start"], end, "held"))
-    for kind, spans in (("parking", r["parks"]), ("restoring", r["restores"])):
+    for kind, spans in ((PARK, r["parks"]), (RESTORE, r["restores"])):
         for s in spans:
             end = r["window_s"] if s["end"] is None else s["end"]
             bars.setdefault(s["workload"], []).append((s["start"], end, kind))
     for s in r["vllm"]["wake"] + r["vllm"]["load"]:
-        bars["sampler"].append((s["start"], s["end"], "restoring"))
+        bars["sampler"].append((s["start"], s["end"], WAKE_LOAD))
     for s in r["vllm"]["sleep"]:
-        bars["sampler"].append((s["start"], s["end"], "parking"))
+        bars["sampler"].append((s["start"], s["end"], SLEEP))
     try:
         width, height = write_chart(path, title(r), list(bars.items()), r["window_s"])
     except ChartsMissing as e:
@@ -156,8 +156,8 @@ def render_loop(r: dict[str, Any]) -> str:
         "",
         *render_timeline(
             r,
-            "'#' holds the GPU, 'p' parking, 'r' restoring; the sampler's 'r' and 'p' "
-            "inside its turns are vLLM wake + weight load and vLLM sleep",
+            "'#' holds the GPU, 'p' park (memory to host), 'r' restore (back to the GPU); "
+            "inside the sampler's turns 'w' is vLLM wake + weight load, 's' vLLM sleep",
         ),
         "",
         *render_turns(r),
@@ -167,7 +167,7 @@ def render_loop(r: dict[str, Any]) -> str:
         "",
         f"handoffs: {r['handoffs']}",
         f"GPU busy: {r['busy_fraction'] * 100:.1f}% of the run held by the trainer or the sampler "
-        "(the rest: parking, restoring, granting, idle)",
+        "(the rest: park, restore, granting, idle)",
         f"overlaps: {_overlaps(r)}",
         f"requests per revision served with it: {per or '-'}",
     ]

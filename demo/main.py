@@ -30,8 +30,9 @@ SIGTERM (SIGKILL after a bound), slicerd gets SIGTERM (SIGKILL after a bound), a
 whatever is left of their process groups is killed: the demo leaves no process behind.
 
 Every time in the report is on the daemon's clock (the ``t`` of its events), relative to
-the first grant. The report: a timeline chart (``#`` holds the GPU, ``p`` parking,
-``r`` restoring, ``.`` otherwise), the turns, park and restore milliseconds per
+the first grant. The report: a timeline chart (``#`` holds the GPU, ``p`` park,
+``r`` restore, ``.`` otherwise; in loop mode ``w`` vLLM wake + weight load and ``s``
+vLLM sleep inside the sampler's turns), the turns, park and restore milliseconds per
 workload, the GPU busy fraction, and the fake GPU's overlap count. Exit status 0 only
 when there were no overlaps, no faults, no two turns at once and at least two handoffs
 (loop mode: and every request served with its revision); 1 otherwise (the temporary

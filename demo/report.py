@@ -75,7 +75,7 @@ def _chart(
         for c in range(COLUMNS):
             at = t0 + (c + 0.5) * dt
             ch = "."
-            for mark, spans in layers:  # first match wins: '#' over 'r' over 'p'
+            for mark, spans in layers:  # first match wins: overlay, '#', 'r', 'p'
                 if any(
                     s["workload"] == name
                     and s["start"] <= at < (t1 if s["end"] is None else s["end"])
@@ -307,7 +307,9 @@ def render(r: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        *render_timeline(r, "'#' holds the GPU, 'p' parking, 'r' restoring"),
+        *render_timeline(
+            r, "'#' holds the GPU, 'p' park (memory to host), 'r' restore (back to the GPU)"
+        ),
         "",
         *render_turns(r),
         "",
@@ -315,7 +317,7 @@ def render(r: dict[str, Any]) -> str:
         "",
         f"handoffs: {r['handoffs']}",
         f"GPU busy: {r['busy_fraction'] * 100:.1f}% of the run held by a trainer "
-        "(the rest: parking, restoring, granting)",
+        "(the rest: park, restore, granting)",
         f"overlaps: {r['overlaps']}",
     ]
     out += ["OK: 0 overlaps"] if r["ok"] else render_failure(r)

@@ -10,6 +10,7 @@ serve    the requests' side of a turn: load whole, send, commit, deadlines
 turns    the turn loop (owns a Serving): acquire, wake, serve, sleep, release
 events   the declared event stream (GET /v1/events) and its reader
 http     the OpenAI-compatible HTTP front
+oai      the OpenAI shapes of its answers (errors, models, chunks, prompt lists)
 vllm     the bounded async client of one vLLM replica
 checkpoint  what a publishable checkpoint directory is (checked at publish)
 owner    one dispatcher per state dir (an exclusive lock holding the owner's pid)

@@ -24,7 +24,17 @@ __all__ = [
 
 
 class DispatchError(Exception):
-    """Base class of every error the dispatcher raises on purpose."""
+    """Base class of every error the dispatcher raises on purpose.
+
+    ``param`` optionally names the request field at fault (OpenAI's error ``param``);
+    without it the front infers one from the message where it can."""
+
+    param: str | None = None
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        if param is not None:
+            self.param = param
 
 
 class BadRequest(DispatchError):
@@ -33,6 +43,8 @@ class BadRequest(DispatchError):
 
 class UnknownRevision(DispatchError):
     """A request names a weight revision that was never published (or none is)."""
+
+    param = "model"  # as vLLM's unknown model
 
 
 class NotFound(DispatchError):

@@ -6,12 +6,27 @@ Routes
 ``POST /v1/completions``, ``POST /v1/chat/completions``
     The request is validated, journaled, and the call waits (bounded by the request's
     deadline) for its result, which is vLLM's own response body (with each choice's
-    ``weight_versions`` where vLLM returns them: 0.33 and later). The response carries
-    ``x-sample-id``: a client that lost the connection fetches the result with
-    ``GET /v1/samples/{id}``. ``stream: true`` returns Server-Sent Events, but results
-    are produced whole inside a turn, so the stream is ``: waiting`` comments every 15 s
-    while pending, then one chunk per choice holding its whole text (``delta`` for
-    chat), then ``data: [DONE]``.
+    ``weight_versions`` where vLLM returns them: 0.33 and later) with its ``model`` set
+    to ``NAME@REV``, the revision that served it (NAME: ``--model``, else the pool; see
+    :mod:`dispatcher.oai`). The response carries ``x-sample-id``: a client that lost
+    the connection fetches the result with ``GET /v1/samples/{id}``. ``stream: true``
+    returns Server-Sent Events, but results are produced whole inside a turn, so the
+    stream is ``: waiting`` comments every 15 s while pending, then one chunk per choice
+    holding its whole text (``delta`` for chat), then, with ``stream_options:
+    {"include_usage": true}``, one chunk with ``choices: []`` and the ``usage``, then
+    ``data: [DONE]``.
+
+    A completions ``prompt`` that is a list of prompts (strings, or token-id lists; at
+    most ``MAX_BATCH``) is fanned out: one pending sample per prompt, all journaled in
+    one group commit (all or nothing; an invalid one is a 400 naming ``prompt[i]``),
+    answered together as one body whose choice ``index`` is ``i * n + j`` (prompt ``i``,
+    its choice ``j``) with the usage summed and ``sample_ids`` (each prompt's sample, in
+    order) instead of the ``x-sample-id`` header. Streamed too: each prompt's chunks in
+    prompt order, numbered the same way.
+``GET /v1/models``, ``GET /v1/models/{NAME@REV}``
+    Every published revision as an OpenAI model ``NAME@REV``, newest first
+    (``{"object": "list", "data": [{"id", "object": "model", "created", "owned_by",
+    "root", "revision"}]}``); an unknown one 404.
 ``POST /v1/samples``
     The same body plus ``"kind": "completion" | "chat"`` (default: "chat" when the body
     has ``messages``, else "completion"). Answers 202 ``{"id", "status": "pending"}``
@@ -37,8 +52,9 @@ Routes
         curl -s localhost:8100/v1/samples/results -H 'content-type: application/json' \
             -d '{"ids": ["smp-3f0c...", "smp-81aa..."], "wait": 60}'
 
-A finished sample's ``result`` (and the body of ``/v1/completions``) is the bytes vLLM
-returned, as stored: the front neither parses nor re-encodes it.
+A finished sample's ``result`` is the bytes vLLM returned, as stored: the front neither
+parses nor re-encodes it (``/v1/completions`` serves the same bytes with only the
+``model`` string replaced in place: :func:`dispatcher.oai.with_model`).
 ``POST /v1/revisions`` ``{"revision", "path"}``
     Publish weights; 201 when new, 200 when the same pair was published before; 400 when
     ``path`` is not a readable checkpoint directory (:mod:`dispatcher.checkpoint`).
@@ -48,11 +64,15 @@ returned, as stored: the front neither parses nor re-encodes it.
     (``application/x-ndjson``), one event per line as it happens, from a ``subscribed``
     line holding the loop's state on; ends with a ``dropped`` line for a reader that fell
     ``EVENT_BUFFER`` events behind, a ``closed`` line when the dispatcher stops.
-``GET /status`` (JSON), ``GET /metrics`` (Prometheus text).
+``GET /status`` (JSON), ``GET /ready`` (200, or 503 with the reason: what probes read),
+``GET /metrics`` (Prometheus text, prometheus-client).
 
-Errors are ``{"error": {"message", "type", "code"}}``, mapped from the dispatcher's
-error classes in one place (:data:`ERROR_MAP`): malformed JSON (NaN and Infinity
-included) and invalid fields (a string with a lone surrogate included) 400, an unknown
+Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}`` (``param``:
+the field at fault, or null), mapped from the dispatcher's error classes in one place
+(:data:`ERROR_MAP`); an unknown route is a 404, a method a route does not take a 405
+(with ``Allow``), and what the lean server refuses itself (400, 413, 431, 501, ...)
+has the same body (:func:`dispatcher.httphead.error_json`). Malformed JSON (NaN and
+Infinity included) and invalid fields (a string with a lone surrogate included) 400, an unknown
 revision 404 (like vLLM's unknown model), an unknown sample 404, a body over
 ``MAX_BODY_BYTES`` 413 (checked while the body streams in), a missed deadline 504, a
 full disk 507, a store failure (a damaged database included) 503, anything unexpected
@@ -67,14 +87,16 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gpu_slicer.dispatcher.errors import (
@@ -88,8 +110,24 @@ from gpu_slicer.dispatcher.errors import (
     UnknownRevision,
 )
 from gpu_slicer.dispatcher.events import encode
+from gpu_slicer.dispatcher.health import ready_endpoint
+from gpu_slicer.dispatcher.httphead import error_json
 from gpu_slicer.dispatcher.httpserver import serve_asgi
-from gpu_slicer.dispatcher.model import Result
+from gpu_slicer.dispatcher.metrics import CONTENT_TYPE, render_metrics
+from gpu_slicer.dispatcher.model import Pending, Result
+from gpu_slicer.dispatcher.oai import (
+    chunks,
+    error_body,
+    include_usage,
+    merge_results,
+    model_id,
+    model_object,
+    models_body,
+    param_of,
+    split_prompts,
+    usage_chunk,
+    with_model,
+)
 from gpu_slicer.dispatcher.serve import LOAD_FAILED, SEND_FAILED
 from gpu_slicer.dispatcher.turns import TurnLoop
 
@@ -143,8 +181,26 @@ def error_response(exc: DispatchError) -> JSONResponse:
                 status, typ = http_status, name
                 break
     code = "too_large" if status == 413 else _snake(type(exc).__name__)
-    return JSONResponse(
-        {"error": {"message": str(exc), "type": typ, "code": code}}, status_code=status
+    return JSONResponse(error_body(str(exc), typ, code, param_of(exc)), status_code=status)
+
+
+def _route_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route 404, a method the route does not take
+    405) as OpenAI error bodies."""
+    assert isinstance(exc, HTTPException)
+    path = request.url.path[:200]
+    if exc.status_code == 404:
+        message = f"no route {request.method} {path}"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"{request.method} is not allowed on {path} (allowed: {allowed})"
+    else:
+        message = str(exc.detail)
+    return Response(
+        error_json(exc.status_code, message),
+        status_code=exc.status_code,
+        headers=exc.headers,
+        media_type="application/json",
     )
 
 
@@ -193,20 +249,6 @@ def _failure(result: Result) -> DispatchError:
     if text.startswith(SEND_FAILED):
         return DispatchError(text)  # the dispatcher could not send it: 500
     return BadRequest(text)
-
-
-def _chunks(kind: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """A whole result as stream chunks: one per choice, its whole text in it."""
-    base: dict[str, Any] = {k: body[k] for k in ("id", "created", "model") if k in body}
-    out: list[dict[str, Any]] = []
-    for choice in body.get("choices") or []:
-        c: dict[str, Any] = dict(choice)
-        if kind == "chat":
-            c["delta"] = c.pop("message", {})
-            out.append({**base, "object": "chat.completion.chunk", "choices": [c]})
-        else:
-            out.append({**base, "object": "text_completion", "choices": [c]})
-    return out
 
 
 def _kind_of(body: dict[str, Any]) -> str:
@@ -261,6 +303,23 @@ def _sample_json(result: Result) -> bytes:
     return head[:-1] + b',"result":' + raw + b"}"
 
 
+_REQUESTS_PREFIX = re.compile(r"requests\[(\d+)\]: ")
+
+
+def _prompt_error(e: DispatchError) -> DispatchError:
+    """An error of :meth:`TurnLoop.accept_many` on a fanned-out prompt list, told as the
+    request's own: ``requests[i]: prompt ...`` becomes ``prompt[i] ...``; an error of a
+    shared field (every prompt has it) loses the prefix."""
+    text = str(e)
+    m = _REQUESTS_PREFIX.match(text)
+    if m is None:
+        return e
+    rest = text[m.end() :]
+    if rest.startswith("prompt"):
+        return type(e)(f"prompt[{m[1]}]{rest[len('prompt') :]}", param="prompt")
+    return type(e)(rest, param=param_of(type(e)(rest)))
+
+
 def _sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
@@ -274,20 +333,65 @@ def build_app(loop: TurnLoop) -> Starlette:
             raise DeadlineExceeded(f"sample {id} has no result by its deadline")
         return result
 
+    name = loop.cfg.model or loop.store.pool  # NAME of the NAME@REV model ids
+
     async def generate(request: Request, kind: str) -> Response:
         body = await _json_object(request)
         stream = body.get("stream") is True
-        p = await loop.accept(kind, body)
-        headers = {"x-sample-id": p.id}
+        usage = include_usage(body, stream)
+        prompts = split_prompts(body.get("prompt")) if kind == "completion" else None
+        if prompts is None:
+            ps = [await loop.accept(kind, body)]
+            headers = {"x-sample-id": ps[0].id}
+        else:
+            ps = await _accept_prompts(body, prompts)
+            headers = {}
         if not stream:
-            result = await wait_whole(p.id, p.deadline)
-            if result.status == "failed":
-                raise _failure(result)
-            # vLLM's own bytes, as stored: never parsed or encoded again here.
-            raw = result.raw if result.raw is not None else b"null"
-            return Response(content=raw, media_type="application/json", headers=headers)
+            if prompts is None:
+                result = await wait_whole(ps[0].id, ps[0].deadline)
+                if result.status == "failed":
+                    raise _failure(result)
+                # vLLM's own bytes, as stored: only its "model" is set (oai.with_model).
+                raw = result.raw if result.raw is not None else b"null"
+                raw = with_model(raw, model_id(name, result.revision))
+                return Response(content=raw, media_type="application/json", headers=headers)
+            done = await _wait_all(ps)
+            out = merge_results(
+                [r.body or {} for r in done], model_id(name, done[0].revision), [p.id for p in ps]
+            )
+            return JSONResponse(out, headers=headers)
+        return StreamingResponse(
+            _events(kind, ps, usage), media_type="text/event-stream", headers=headers
+        )
 
-        async def events() -> AsyncIterator[bytes]:
+    async def _accept_prompts(body: dict[str, Any], prompts: list[Any]) -> list[Pending]:
+        """A completions body with a list of prompts, accepted as one sample per prompt
+        in one group commit (all or nothing); errors name ``prompt[i]``."""
+        if len(prompts) > MAX_BATCH:
+            raise BadRequest(
+                f"prompt has {len(prompts)} prompts, more than the limit of {MAX_BATCH}",
+                param="prompt",
+            )
+        try:
+            return await loop.accept_many([("completion", {**body, "prompt": x}) for x in prompts])
+        except (BadRequest, UnknownRevision) as e:
+            raise _prompt_error(e) from None
+
+    async def _wait_all(ps: list[Pending]) -> list[Result]:
+        deadline = max(p.deadline for p in ps)
+        got = await loop.wait_results([p.id for p in ps], deadline - time.time() + 1.0)
+        for r in got:
+            if r.status == "failed":
+                raise _failure(r)
+            if r.status == "pending":
+                raise DeadlineExceeded(f"sample {r.id} has no result by its deadline")
+        return got
+
+    async def _events(kind: str, ps: list[Pending], usage: bool) -> AsyncIterator[bytes]:
+        bodies: list[dict[str, Any]] = []
+        index = 0  # choices streamed so far: prompt i's choice j is i * n + j
+        model = model_id(name, ps[0].revision)
+        for p in ps:
             while True:
                 result = await loop.wait_result(
                     p.id, min(SSE_KEEPALIVE_S, p.deadline - time.time())
@@ -295,19 +399,23 @@ def build_app(loop: TurnLoop) -> Starlette:
                 if result.status != "pending" or time.time() >= p.deadline + 1.0:
                     break
                 yield b": waiting\n\n"
-            if result.status == "done" and result.body is not None:
-                for chunk in _chunks(kind, result.body):
-                    yield _sse(chunk)
-            else:
+            if result.status != "done" or result.body is None:
                 err = (
                     _failure(result)
                     if result.status == "failed"
                     else DeadlineExceeded(f"sample {p.id} has no result by its deadline")
                 )
                 yield _sse(json.loads(bytes(error_response(err).body)))
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+                yield b"data: [DONE]\n\n"
+                return
+            model = model_id(name, result.revision)
+            bodies.append(result.body)
+            for chunk in chunks(kind, result.body, model, first_index=index, usage=usage):
+                yield _sse(chunk)
+                index += 1
+        if usage:
+            yield _sse(usage_chunk(kind, bodies, model))
+        yield b"data: [DONE]\n\n"
 
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
@@ -372,6 +480,21 @@ def build_app(loop: TurnLoop) -> Starlette:
         out = [{"revision": r.name, "path": r.path, "published_at": r.published_at} for r in revs]
         return JSONResponse({"revisions": out})
 
+    async def revisions_route(request: Request) -> Response:
+        return await (publish if request.method == "POST" else revisions)(request)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(models_body(name, loop.store.revisions()))
+
+    async def one_model(request: Request) -> Response:
+        wanted = request.path_params["model"]
+        for rev in loop.store.revisions():
+            if model_id(name, rev.name) == wanted:
+                return JSONResponse(model_object(name, rev))
+        raise UnknownRevision(
+            f"the model {wanted!r:.200} does not exist; GET /v1/models lists them"
+        )
+
     async def status(request: Request) -> Response:
         return JSONResponse(loop.status())
 
@@ -387,9 +510,7 @@ def build_app(loop: TurnLoop) -> Starlette:
         return StreamingResponse(lines(), media_type="application/x-ndjson", headers=headers)
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(
-            render_metrics(loop), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+        return Response(render_metrics(loop), media_type=CONTENT_TYPE)
 
     def guard(fn: Any) -> Any:
         async def wrapped(request: Request) -> Response:
@@ -411,50 +532,15 @@ def build_app(loop: TurnLoop) -> Starlette:
         Route("/v1/samples/batch", guard(submit_batch), methods=["POST"]),
         Route("/v1/samples/results", guard(results), methods=["POST"]),
         Route("/v1/samples/{id}", guard(sample), methods=["GET"]),
-        Route("/v1/revisions", guard(publish), methods=["POST"]),
-        Route("/v1/revisions", guard(revisions), methods=["GET"]),
+        Route("/v1/revisions", guard(revisions_route), methods=["GET", "POST"]),
+        Route("/v1/models", guard(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guard(one_model), methods=["GET"]),
         Route("/v1/events", guard(event_stream), methods=["GET"]),
         Route("/status", guard(status), methods=["GET"]),
+        Route("/ready", guard(ready_endpoint(loop)), methods=["GET"]),
         Route("/metrics", guard(metrics), methods=["GET"]),
     ]
-    return Starlette(routes=routes)
-
-
-def render_metrics(loop: TurnLoop) -> str:
-    """Prometheus text exposition of the loop's figures."""
-    st = loop.status()
-    c = loop.counters
-    pool = st["pool"]
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP slicer_dispatch_{name} {help}")
-        lines.append(f"# TYPE slicer_dispatch_{name} {kind}")
-        for labels, value in samples:
-            extra = f",{labels}" if labels else ""
-            lines.append(f'slicer_dispatch_{name}{{pool="{pool}"{extra}}} {value}')
-
-    pending = [(f'revision="{r}"', float(n)) for r, n in st["pending"].items()]
-    metric("pending", "gauge", "Pending sampling requests.", pending or [("", 0.0)])
-    metric("in_flight", "gauge", "Requests sent and not answered.", [("", st["in_flight"])])
-    metric("done_total", "counter", "Requests with a result.", [("", st["counts"]["done"])])
-    metric("failed_total", "counter", "Requests failed.", [("", st["counts"]["failed"])])
-    metric("turns_total", "counter", "Turns granted.", [("", c.turns)])
-    metric("turn_errors_total", "counter", "Turns ended by an error.", [("", c.turn_errors)])
-    metric("loads_total", "counter", "Whole weight loads done.", [("", c.loads)])
-    metric("load_failures_total", "counter", "Weight loads that broke.", [("", c.load_failures)])
-    metric("sends_total", "counter", "Requests sent to the replica.", [("", c.sends)])
-    metric("batched_samples_total", "counter", "Samples sent in a batch of prompts.",
-           [("", c.batched_samples)])  # fmt: skip
-    metric("send_errors_total", "counter", "Sends ended by an unexpected error.",
-           [("", c.send_errors)])  # fmt: skip
-    damaged = 1.0 if st["store"]["damaged"] else 0.0
-    metric("store_damaged", "gauge", "1 while the store's database is damaged.", [("", damaged)])
-    metric("commits_total", "counter", "Results committed.", [("", c.commits)])
-    metric("expired_total", "counter", "Requests failed by deadline.", [("", c.expired)])
-    rejects = [(f'reason="{r}"', float(n)) for r, n in sorted(c.rejects.items())]
-    metric("rejects_total", "counter", "Answers not committed, by reason.", rejects)
-    return "\n".join(lines) + "\n"
+    return Starlette(routes=routes, exception_handlers={HTTPException: _route_error})
 
 
 async def serve_http(

@@ -162,7 +162,7 @@ class _Conn:
         except h.Reject as e:
             self.read_by = _INF  # the head's deadline must not cut the answer's linger
             log.debug("request from %s refused (%d): %s", self.client, e.status, e)
-            await self._write(h.simple_response(e.status))
+            await self._write(h.simple_response(e.status, str(e)))
             self.answered = True
             return False
         return await self._serve(req)
@@ -251,7 +251,7 @@ class _Conn:
             self.complete = False
         if not self.complete:
             if not self.started or self.pending_head:
-                await self._write(h.simple_response(500))
+                await self._write(h.simple_response(500, "internal error: the app failed"))
                 self.answered = True
             return False  # a response cut short: the connection cannot carry another
         if not self.body_done and not req.chunked and len(self.buf) >= self.left:

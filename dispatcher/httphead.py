@@ -8,11 +8,14 @@ fields), frames its body ambiguously (400: both ``Content-Length`` and
 chunked HTTP/1.0 request), uses a transfer coding other than chunked (501), an
 expectation other than ``100-continue`` (417) or an HTTP version other than 1.x (505).
 Header names are lowercased; a value with a control character or a line break, a folded
-line, or a space before a colon is malformed (the request-smuggling vectors).
+line, or a space before a colon is malformed (the request-smuggling vectors). Such a
+refusal answers OpenAI's JSON error body (:func:`simple_response`), as every answer of
+the dispatcher's front does.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from http import HTTPStatus
 from typing import Any
@@ -28,6 +31,7 @@ __all__ = [
     "Reject",
     "Request",
     "chunk_size",
+    "error_json",
     "parse_request",
     "response_head",
     "simple_response",
@@ -169,11 +173,24 @@ def _status_line(status: int) -> bytes:
     return line
 
 
-def simple_response(status: int) -> bytes:
-    """A whole plain-text response with ``status``'s phrase, closing the connection."""
-    body = _PHRASES.get(status, b"Error") + b"\n"
+def error_json(status: int, message: str) -> bytes:
+    """OpenAI's error body ``{"error": {"message", "type", "param": null, "code"}}`` for
+    an answer given by ``status`` alone; type and code come from the status's phrase
+    (431: ``RequestHeaderFieldsTooLargeError``, ``request_header_fields_too_large``)."""
+    words = re.findall(r"[A-Za-z]+", _PHRASES.get(status, b"Error").decode())
+    typ = "".join(w[:1].upper() + w[1:] for w in words)
+    typ = typ if typ.endswith("Error") else typ + "Error"
+    code = "_".join(w.lower() for w in words)
+    body = {"error": {"message": message, "type": typ, "param": None, "code": code}}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def simple_response(status: int, why: str = "") -> bytes:
+    """A whole JSON error response (:func:`error_json`; ``why``, else the status's
+    phrase, is its message), closing the connection."""
+    body = error_json(status, why or _PHRASES.get(status, b"Error").decode())
     return _status_line(status) + (
-        b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n"
         b"connection: close\r\n\r\n%b" % (len(body), body)
     )
 

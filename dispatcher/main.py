@@ -32,8 +32,16 @@ acknowledged either, at one fsync per group commit (not per request; see
 :mod:`dispatcher.store`).
 
 One dispatcher per state dir: it takes an exclusive lock on ``STATE_DIR/dispatch.lock``
-(holding its pid) before it opens the store; a second one on the same dir exits 1 with
+(holding its pid) before it opens the store; a second one on the same dir exits 75 with
 one line naming the owner's pid (:mod:`dispatcher.owner`).
+
+Startup failures are one ``slicer-dispatch: error: WHAT (WHAT TO DO)`` line on stderr,
+never a traceback, with a sysexits code (:mod:`dispatcher.startup`): 64 bad arguments
+(an unknown option, a replica URL without ``http://``, a malformed ``--listen``), 65 the
+store is damaged, 69 the front cannot listen on its address (in use), 73 the state dir
+or the store cannot be created or opened, 75 another dispatcher owns the state dir, 77
+permission denied for the address, 70 a bug. An unreachable slicerd is not a startup
+failure: the dispatcher starts and waits for it.
 
 SIGTERM/SIGINT: stop accepting, end a held turn (sleep vLLM, RELEASE, both bounded),
 end every ``GET /v1/events`` stream after the turn's last events with ``closed``, then
@@ -49,11 +57,12 @@ import stat
 import sys
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import click
 import trio
 
-from gpu_slicer.dispatcher.errors import DispatchError
+from gpu_slicer.dispatcher import startup
 from gpu_slicer.dispatcher.http import build_app, serve_http
 from gpu_slicer.dispatcher.model import (
     MAX_LOAD_FAILURES,
@@ -61,10 +70,12 @@ from gpu_slicer.dispatcher.model import (
     WEIGHT_CHECKS,
     TurnConfig,
 )
-from gpu_slicer.dispatcher.owner import StateLock
 from gpu_slicer.dispatcher.store import SYNC_MODES, Store
 from gpu_slicer.dispatcher.turns import TurnLoop
 from gpu_slicer.dispatcher.vllm import Replica
+from gpu_slicer.slicer.exits import run_command, single_error
+
+PROG = "slicer-dispatch"
 
 log = logging.getLogger("dispatcher")
 
@@ -82,7 +93,10 @@ async def _run(store: Store, replica_url: str, cfg: TurnConfig, bind: str) -> No
                 # The open requests outlive the turn's end (and "closed"): main cuts them.
                 grace = loop.end_timeout + EVENTS_CLOSE_GRACE_S + SHUTDOWN_MARGIN_S
                 serve = partial(serve_http, build_app(loop), bind, stop, grace=grace)
-                binds = await nursery.start(serve)
+                try:
+                    binds = await nursery.start(serve)
+                except OSError as e:
+                    raise startup.bind_failure(bind, e) from None
                 print(f"listening on {' '.join(binds)}", file=sys.stderr, flush=True)
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for signum in signals:
@@ -96,8 +110,6 @@ async def _run(store: Store, replica_url: str, cfg: TurnConfig, bind: str) -> No
 
 
 def _bind(listen: str | None, listen_unix: str | None) -> str:
-    if listen and listen_unix:
-        raise click.UsageError("give --listen or --listen-unix, not both")
     if listen_unix:
         path = Path(listen_unix)
         if path.exists() and stat.S_ISSOCK(path.stat().st_mode):
@@ -106,13 +118,22 @@ def _bind(listen: str | None, listen_unix: str | None) -> str:
     return listen or "127.0.0.1:8100"
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--workload", required=True, help="the replica's workload name in slicerd")
-@click.option("--replica", "replica_url", required=True, help="vLLM base URL")
+class _Dispatch(click.Command):
+    """The command run as a program: failures in one line (`slicer.exits.run_command`)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run_command(self, PROG)
+
+
+@click.command(cls=_Dispatch, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--workload", required=True, callback=startup.check_name,
+              help="the replica's workload name in slicerd")  # fmt: skip
+@click.option("--replica", "replica_url", required=True, callback=startup.check_replica_url,
+              help="vLLM base URL, e.g. http://127.0.0.1:8000")  # fmt: skip
 @click.option("--socket", "socket_path", help="slicerd socket (default $SLICER_SOCKET)")
 @click.option("--state-dir", default="/var/lib/slicer-dispatch", show_default=True)
-@click.option("--pool", help="pool name (default: the workload name)")
-@click.option("--listen", help="HOST:PORT (default 127.0.0.1:8100)")
+@click.option("--pool", callback=startup.check_name, help="pool name (default: the workload name)")
+@click.option("--listen", callback=startup.check_listen, help="HOST:PORT (default 127.0.0.1:8100)")
 @click.option("--listen-unix", help="serve HTTP on this Unix socket instead")
 @click.option("--model", help="served model name sent to vLLM (default: vLLM's own)")
 @click.option("--turn-seconds", type=float, default=30.0, show_default=True)
@@ -171,12 +192,13 @@ def main(
     )
     for name in ("httpx", "httpcore", "dispatcher.httpserver"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        lock = StateLock.acquire(state_dir)  # before _bind: it may unlink the owner's socket
-    except DispatchError as e:
-        raise click.ClickException(str(e)) from e
+    if listen and listen_unix:
+        raise click.UsageError("give --listen or --listen-unix, not both")
+    # The lock (then the store) before _bind: _bind may unlink the owner's Unix socket.
+    lock, store = startup.open_state(state_dir, pool or workload, sync)
     try:
         bind = _bind(listen, listen_unix)
+        startup.probe_bind(bind)
         cfg = TurnConfig(
             workload=workload,
             socket=socket_path,
@@ -193,14 +215,14 @@ def main(
         )
         log.info("weight check: %s", weight_check)
         try:
-            store = Store(state_dir, pool or workload, synchronous=sync)
-        except DispatchError as e:
-            raise click.ClickException(str(e)) from e
-        try:
             trio.run(_run, store, replica_url, cfg, bind)
-        finally:
-            store.close()
+        except BaseExceptionGroup as group:
+            leaf = single_error(group)
+            if leaf is group:
+                raise
+            raise leaf from None  # e.g. the front's bind failure, said in one line
     finally:
+        store.close()
         lock.release()
     log.info("stopped")
 

@@ -48,6 +48,17 @@ each turn parks the other workload, and a broken store rarely mends within secon
 loop lives on, the front answers 503 for what touches the broken part, and ``/status``
 says so in ``store``. While every pending revision's load is backed off
 (:mod:`dispatcher.serve`) the loop asks for no turn: it waits for the first to be due.
+
+What the loop learns about its world goes to its :class:`~dispatcher.health.Health`
+(``/status``'s ``problem``, ``GET /ready``): a connect or ACQUIRE that fails or works
+(slicerd reachable? the workload registered?), a recover or wake that fails or works and
+a replica failure while serving (the replica), and, every second and at each
+``/status``, the store's health and the load backoff (``last load error``). Between
+turns :func:`~dispatcher.health.probe` runs in the loop's nursery and asks slicerd and
+the replica itself, so an idle dispatcher knows too. A slicerd that cannot be reached
+(at start or later) is a waiting state, never a crash: requests are still accepted and
+journaled, the problem says why nothing is served, and turns are retried with the
+backoff above.
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -70,6 +82,18 @@ from gpu_slicer.dispatcher.errors import (
     UnknownRevision,
 )
 from gpu_slicer.dispatcher.events import EventStream, Subscription
+from gpu_slicer.dispatcher.health import (
+    Check,
+    Health,
+    Problem,
+    daemon_unreachable,
+    note_loads,
+    note_store,
+    probe,
+    problem_fields,
+    replica_unhealthy,
+    workload_unknown,
+)
 from gpu_slicer.dispatcher.journal import Journal
 from gpu_slicer.dispatcher.model import (
     Counters,
@@ -84,7 +108,7 @@ from gpu_slicer.dispatcher.model import (
 from gpu_slicer.dispatcher.serve import Serving
 from gpu_slicer.dispatcher.store import Staged, Store, check_revision_name
 from gpu_slicer.dispatcher.vllm import Replica
-from gpu_slicer.slicer.client import AsyncSlicer, ClientError
+from gpu_slicer.slicer.client import AsyncSlicer, ClientError, socket_path
 
 __all__ = ["TurnLoop"]
 
@@ -117,7 +141,9 @@ class TurnLoop:
     ``connect`` makes a new slicerd connection (injectable for tests); the loop keeps one
     connection open across turns and makes a new one after it broke. ``serving`` is the
     requests' side (:class:`~dispatcher.serve.Serving`), ``events`` the declared event
-    stream (a new one unless given), ``phase`` where the loop is.
+    stream (a new one unless given), ``phase`` where the loop is, ``health`` what is
+    wrong with its world (:mod:`dispatcher.health`). ``probe`` runs the health probes
+    between turns (default: only with the real slicerd connection, not an injected one).
     """
 
     def __init__(
@@ -128,6 +154,7 @@ class TurnLoop:
         *,
         connect: Callable[[], Awaitable[AsyncSlicer]] | None = None,
         events: EventStream | None = None,
+        probe: bool | None = None,
     ) -> None:
         self.store = store
         self.replica = replica
@@ -145,6 +172,34 @@ class TurnLoop:
         self._needs_recover = True  # first sight of the replica
         self._connect = connect or (lambda: _connect_default(cfg.socket))
         self._slicer: AsyncSlicer | None = None
+        self._probe = connect is None if probe is None else probe
+        self._socket = socket_path(cfg.socket)
+        self.health = Health(on_change=self._problem_changed)
+
+    def _problem_changed(self, problem: Problem | None) -> None:
+        self.events.publish("problem", **problem_fields(problem))
+
+    def _refresh_health(self) -> None:
+        """The checks derived from state (store, loads): at every ``/status`` and tick."""
+        note_store(self.health, self.store.health())
+        pending = set(self.store.pending_revisions())
+        note_loads(self.health, self.serving.load_backoff(trio.current_time()), pending)
+
+    def not_ready(self, revision: str | None = None) -> str | None:
+        """Why ``GET /ready`` answers 503 (None: ready): the first needed check not known
+        to be ok (:meth:`Health.not_ready <dispatcher.health.Health.not_ready>`), else,
+        with ``revision``, that it is not published."""
+        self._refresh_health()
+        reason = self.health.not_ready()
+        if reason is not None or revision is None:
+            return reason
+        try:
+            self.store.revision(revision)
+        except UnknownRevision:
+            return f"revision {revision} is not published"
+        except DispatchError as e:
+            return f"revision {revision}: {e}"
+        return None
 
     def _enter(self, phase: Phase) -> None:
         """The one place the phase changes: checked against :data:`model.TRANSITIONS
@@ -243,6 +298,7 @@ class TurnLoop:
 
     def status(self) -> dict[str, Any]:
         """The loop's state for ``GET /status``."""
+        self._refresh_health()
         cur = self._current
         try:
             newest = self.store.newest()
@@ -268,6 +324,7 @@ class TurnLoop:
             "counters": {**vars(self.counters), "rejects": dict(self.counters.rejects)},
             "store": self.store.health(),
             "load_backoff": self.serving.load_backoff(now),
+            "problem": self.health.problem_json(),
         }
 
     # -- plumbing --------------------------------------------------------------------
@@ -287,6 +344,12 @@ class TurnLoop:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.journal.run)
                 nursery.start_soon(self._ticker)
+                if self._probe:
+                    nursery.start_soon(
+                        partial(probe, self.health, self._connect, self._socket,
+                                self.cfg.workload, self.replica,
+                                skip=lambda: self._current is not None)
+                    )  # fmt: skip
                 task_status.started()
                 await self._loop()
         finally:
@@ -299,6 +362,10 @@ class TurnLoop:
                 self.serving.expire(time.time())
             except DispatchError as e:
                 log.error("expire failed (retried in 1 s): %s", e)
+            try:
+                self._refresh_health()
+            except DispatchError as e:
+                log.error("health refresh failed (retried in 1 s): %s", e)
             await trio.sleep(1.0)
 
     async def _loop(self) -> None:
@@ -326,6 +393,10 @@ class TurnLoop:
                 continue
             self.counters.turn_errors += 1
             self._enter(Phase.BACKOFF)
+            lost = [x for x in failed if isinstance(x, ClientError) and x.code == "unreachable"]
+            if lost:
+                self.health.forget(Check.WORKLOAD)  # a new slicerd may not know it
+                self.health.fail(Check.DAEMON, daemon_unreachable(self._socket, lost[0]))
             e = failed[0]
             store = any(isinstance(x, StoreError) for x in failed)
             log.error("turn failed (%s: %s); retrying in %.1f s", type(e).__name__, e, backoff)
@@ -344,15 +415,23 @@ class TurnLoop:
             turn = await slicer.acquire(self.cfg.workload, wait=self.cfg.acquire_wait)
         except ClientError as e:
             if e.code == "timeout":
+                self.health.ok(Check.DAEMON)
+                self.health.ok(Check.WORKLOAD)  # queued for the GPU: it knows us
                 log.info("ACQUIRE %s: not granted within %g s; again", self.cfg.workload,
                          self.cfg.acquire_wait)  # fmt: skip
                 return
+            if e.code == proto.ErrorCode.UNKNOWN_WORKLOAD:
+                how = f"ACQUIRE answered ERR {e}"
+                self.health.ok(Check.DAEMON)
+                self.health.fail(Check.WORKLOAD, workload_unknown(self.cfg.workload, how))
             if e.code == "unreachable":
                 await self._drop_connection()
             raise
         except BaseException:
             await self._drop_connection()  # a cut-off request leaves the stream out of step
             raise
+        self.health.ok(Check.DAEMON)
+        self.health.ok(Check.WORKLOAD)
         cur = TurnState(turn)
         if any(isinstance(m, proto.Waiting) and m.turn == turn.turn for m in slicer.events):
             cur.waiting_seen_at = trio.current_time()
@@ -389,16 +468,21 @@ class TurnLoop:
 
     async def _prepare(self, cur: TurnState) -> None:
         n = cur.turn.turn
-        if self._needs_recover:
-            self._enter(Phase.RECOVERING)
+        try:
+            if self._needs_recover:
+                self._enter(Phase.RECOVERING)
+                t0 = time.monotonic()
+                await self.replica.recover()
+                self._needs_recover = False
+                log.info("turn %d: recovered the replica in %.3f s", n, time.monotonic() - t0)
+                self.events.publish("recovered", turn=n, duration_s=_since(t0))
+            self._enter(Phase.WAKING)
             t0 = time.monotonic()
-            await self.replica.recover()
-            self._needs_recover = False
-            log.info("turn %d: recovered the replica in %.3f s", n, time.monotonic() - t0)
-            self.events.publish("recovered", turn=n, duration_s=_since(t0))
-        self._enter(Phase.WAKING)
-        t0 = time.monotonic()
-        await self.replica.wake(self.cfg.wake_timeout)
+            await self.replica.wake(self.cfg.wake_timeout)
+        except ReplicaError as e:
+            self.health.fail(Check.REPLICA, replica_unhealthy(self.replica.base_url, e))
+            raise
+        self.health.ok(Check.REPLICA)
         log.info("turn %d: woke in %.3f s", n, time.monotonic() - t0)
         self.events.publish("woke", turn=n, duration_s=_since(t0))
 
@@ -409,6 +493,9 @@ class TurnLoop:
         n = cur.turn.turn
         if reason == "replica-error" or cur.load_broke:
             self._needs_recover = True  # perhaps a new replica process: first sight again
+        if cur.replica_failed:
+            url = self.replica.base_url
+            self.health.fail(Check.REPLICA, replica_unhealthy(url, cur.replica_failed))
         self._enter_ending(Phase.SLEEPING)
         t0 = time.monotonic()
         try:

@@ -192,11 +192,16 @@ class Replica:
 
         A probe: any failure (503 dead engine, refused connection, timeout) is False.
         """
+        return await self.check_health(timeout) is None
+
+    async def check_health(self, timeout: float = 10) -> str | None:
+        """:meth:`health` saying why: None when ``GET /health`` answers 200 within
+        ``timeout``, else the failure in words (``GET URL/health: HTTP 503: ...``)."""
         try:
             await self._call("GET", "/health", timeout)
-        except ReplicaError:
-            return False
-        return True
+        except ReplicaError as e:
+            return str(e)
+        return None
 
     async def wake(self, timeout: float = 300) -> None:
         """``POST /wake_up`` (all tags); raises unless the replica says it is awake."""

@@ -19,11 +19,13 @@ class Exit(enum.IntEnum):
     """Exit codes of `slicer-launch` other than the child's own."""
 
     FAILED = 1  # the vLLM boot failed (never healthy, sleep refused, exited early)
-    USAGE = 2  # bad command line (click)
+    USAGE = 64  # bad command line (EX_USAGE)
     UNREACHABLE = 69  # slicerd could not be reached to register at start (EX_UNAVAILABLE)
     FAULT = 70  # a FAULT arrived: the child's processes were stopped (EX_SOFTWARE)
     TIMEOUT = 75  # boot turn not granted / vLLM not healthy in time (EX_TEMPFAIL)
     REFUSED = 78  # slicerd refused the REGISTER (name taken, unknown GPU, ...) (EX_CONFIG)
+    NOT_EXECUTABLE = 126  # COMMAND exists but cannot be executed (as a shell says)
+    NOT_FOUND = 127  # COMMAND not found (as a shell says)
 
 
 @dataclass(frozen=True)

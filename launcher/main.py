@@ -3,17 +3,19 @@
     slicer-launch run  --workload trainer -- python train.py
     slicer-launch vllm --workload sampler --ready-file /run/ready -- vllm serve MODEL
 
-Exit codes:
+Exit codes (every one but the child's own comes with one ``slicer-launch: error: ...``
+line on stderr, never a traceback):
     N     the child's own exit code (128+S when it died of signal S), also after a
           SIGTERM/SIGINT to the launcher was forwarded to it (137: SIGKILLed after grace)
     1     vLLM profile: the replica never got ready (exited early, /sleep failed, ...)
-    2     bad command line
+    64    bad command line (unknown option, bad value, no COMMAND)
     69    slicerd could not be reached for the first REGISTER (--connect-timeout)
     70    a FAULT arrived: the child's process group was stopped
     75    vLLM profile: boot turn not granted in --boot-timeout, or not healthy in
           --health-timeout
     78    slicerd refused the REGISTER (name taken, unknown GPU, forbidden)
-    126   COMMAND could not be executed; 127: COMMAND not found
+    126   COMMAND could not be executed; 127: COMMAND not found (both checked before
+          the REGISTER, so a typo registers nothing)
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from gpu_slicer import proto
 from gpu_slicer.launcher.config import LaunchConfig, VllmConfig, setup_logging
 from gpu_slicer.launcher.supervise import Profile, Supervisor
 from gpu_slicer.launcher.vllm import VllmProfile
+from gpu_slicer.slicer.exits import CliFailure, run_command, single_error
+
+PROG = "slicer-launch"
 
 
 def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | None:
@@ -86,12 +91,32 @@ def _common(
 
 def _launch(kw: dict[str, Any], profile: Profile) -> None:
     command = list(kw.pop("command"))
+    if command[0].startswith("-"):
+        # ignore_unknown_options lets a misspelt option through as COMMAND.
+        raise click.UsageError(f"no such option: {command[0]}; COMMAND goes after '--'")
     setup_logging(kw["workload"], kw.pop("log_level"))
     cfg = LaunchConfig(**kw)
-    sys.exit(trio.run(Supervisor(cfg, command, profile).run))
+    sup = Supervisor(cfg, command, profile)
+    try:
+        code = trio.run(sup.run)
+    except BaseExceptionGroup as group:
+        leaf = single_error(group)
+        if leaf is group:
+            raise
+        raise leaf from None  # a bug: `run_command` says it in one line
+    if sup.failure is not None:
+        raise CliFailure(sup.failure, code)
+    sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Launcher(click.Group):
+    """The group run as a program: failures in one line (`slicer.exits.run_command`)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run_command(self, PROG)
+
+
+@click.group(cls=_Launcher, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Register a workload with slicerd and supervise its processes."""
 

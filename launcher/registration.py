@@ -39,11 +39,13 @@ def _why(e: BaseException) -> str:
 
 
 class Refused(Exception):
-    """slicerd answered the first REGISTER with ERR (`code` is the wire code)."""
+    """slicerd answered the first REGISTER with ERR, or the client refused to send it for
+    the reason slicerd would give (a malformed name): `code` is the wire code, `text` its
+    words."""
 
-    def __init__(self, err: ClientError) -> None:
-        super().__init__(str(err))
-        self.code = err.code
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(f"{code}: {text}" if text else code)
+        self.code, self.text = code, text
 
 
 class Registration:
@@ -98,8 +100,13 @@ class Registration:
     async def open(self) -> None:
         """The first REGISTER: retry an unreachable daemon up to `connect_timeout`.
 
-        Raises Refused on ERR, Unreachable when the daemon stayed out of reach.
+        Raises Refused on ERR (or a name slicerd would refuse: it is never sent),
+        Unreachable when the daemon stayed out of reach (its text says why).
         """
+        try:
+            proto.validate_name(self.cfg.workload)
+        except proto.ProtocolError as e:
+            raise Refused(e.code, f"REGISTER: {e.message}") from None
         delay = self.cfg.backoff_min
         deadline = trio.current_time() + self.cfg.connect_timeout
         while True:
@@ -108,13 +115,20 @@ class Registration:
                 return
             except ClientError as e:
                 if not isinstance(e, Unreachable):
-                    raise Refused(e) from e
-                err: Exception = e
-            except trio.TooSlowError as e:
-                err = e
+                    raise Refused(e.code, e.text) from e
+                why = e.text
+            except trio.TooSlowError:
+                why = f"no answer in {self.cfg.request_timeout:g} s"
             if trio.current_time() + delay > deadline:
-                raise Unreachable(f"slicerd at {self.socket}: {_why(err)}")
-            log.warning("cannot register yet (%s); retrying in %.1f s", _why(err), delay)
+                raise Unreachable(why)
+            # One line says why the launcher waits; the retries themselves are debug.
+            first = delay == self.cfg.backoff_min
+            (log.warning if first else log.debug)(
+                "waiting for slicerd at %s (up to %g s): %s",
+                self.socket,
+                self.cfg.connect_timeout,
+                why,
+            )
             await trio.sleep(delay)
             delay = min(delay * 2, self.cfg.backoff_max)
 

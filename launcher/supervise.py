@@ -19,7 +19,10 @@ goes first), stops the child by the grace rule (SIGTERM to its group, SIGKILL af
     child exited          -> the child's code (128+N for signal N)
     FAULT                 -> 70                SIGTERM/SIGINT -> the child's code
     boot failed/timed out -> 1 / 75            REGISTER refused / unreachable -> 78 / 69
-    COMMAND not found / not executable -> 127 / 126
+    COMMAND not found / not executable -> 127 / 126 (checked before the REGISTER too)
+
+Every end but the child's own exit and a signal is a failure of the launch: its one line
+(`failures`) is left in `failure` for the command to print as ``slicer-launch: error:``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 import trio
 
 from gpu_slicer import proto
+from gpu_slicer.launcher import failures
 from gpu_slicer.launcher.child import Child, exit_code
 from gpu_slicer.launcher.config import Exit, LaunchConfig, log
 from gpu_slicer.launcher.registration import Refused, Registration
@@ -49,7 +53,8 @@ class BootFailed(Exception):
 
 @dataclass(frozen=True)
 class Stop:
-    """Why the launch ends: `why` is exit, fault, signal, boot, refused or unreachable."""
+    """Why the launch ends: `why` is exit, fault, signal, boot, command, refused or
+    unreachable."""
 
     why: str
     code: int
@@ -103,6 +108,7 @@ class Supervisor:
         self.reg = Registration(cfg, self._on_fault, profile.park if profile.parks else None)
         self.child: Child | None = None
         self.reason: Stop | None = None
+        self.failure: str | None = None  # the launch failed: its one line (module docstring)
         self._stopped = trio.Event()
 
     def stop(self, reason: Stop) -> None:
@@ -113,7 +119,9 @@ class Supervisor:
 
     def _on_fault(self, fault: proto.Fault) -> None:
         self.profile.not_ready()  # the marker goes before anything else happens
-        self.stop(Stop("fault", Exit.FAULT, f"FAULT reason={fault.reason} {fault.text}"))
+        text = f"FAULT reason={fault.reason} {fault.text}".rstrip()
+        hint = "its processes were stopped; see 'slicerctl status' and slicerd's log"
+        self.stop(Stop("fault", Exit.FAULT, f"{text} ({hint})"))
 
     def child_env(self) -> dict[str, str]:
         """The environment of the child: ours, plus SLICER_SOCKET and SLICER_WORKLOAD."""
@@ -143,13 +151,19 @@ class Supervisor:
 
     async def _flow(self, nursery: trio.Nursery, scope: trio.CancelScope) -> None:
         with scope:
+            problem = failures.command_problem(self.argv, self.child_env().get("PATH"))
+            if problem is not None:
+                self.stop(Stop("command", *problem))
+                return
             try:
                 await self.reg.open()
             except Refused as e:
-                self.stop(Stop("refused", Exit.REFUSED, f"slicerd refused REGISTER: {e}"))
+                line = failures.refused(self.cfg.workload, e.code, e.text)
+                self.stop(Stop("refused", Exit.REFUSED, line))
                 return
             except Unreachable as e:
-                self.stop(Stop("unreachable", Exit.UNREACHABLE, str(e)))
+                line = failures.unreachable(self.reg.socket, e.text, self.cfg.connect_timeout)
+                self.stop(Stop("unreachable", Exit.UNREACHABLE, line))
                 return
             nursery.start_soon(self.reg.serve)
             try:
@@ -158,13 +172,16 @@ class Supervisor:
                 try:
                     self.child = await Child.start(argv, self.child_env())
                 except OSError as e:  # as a shell: 127 not found, 126 not executable
-                    code = 127 if isinstance(e, FileNotFoundError) else 126
-                    self.stop(Stop("boot", code, f"cannot start {argv[0]}: {e}"))
+                    missing = isinstance(e, FileNotFoundError)
+                    code = Exit.NOT_FOUND if missing else Exit.NOT_EXECUTABLE
+                    line = failures.start_failed(argv[0], e.strerror or str(e), code)
+                    self.stop(Stop("command", code, line))
                     return
                 nursery.start_soon(self._watch_child, self.child)
                 await self.profile.after_start(self, self.child)
             except BootFailed as e:
-                self.stop(Stop("boot", e.code, str(e)))
+                hint = "see the replica's output above"
+                self.stop(Stop("boot", e.code, f"vLLM boot failed: {e} ({hint})"))
 
     async def _watch_child(self, child: Child) -> None:
         rc = await child.wait()
@@ -190,12 +207,18 @@ class Supervisor:
             assert child is not None
             await child.sweep(grace)
             if self.profile.boots and not self.profile.ready_seen:
-                log.error("the child exited with code %d before it was ready", reason.code)
+                self.failure = (
+                    f"the replica exited with code {reason.code} before it was ready "
+                    "(see its output above)"
+                )
                 return int(Exit.FAILED)
             log.info("%s", reason.message)
             return reason.code
-        level = log.info if reason.why == "signal" else log.error
-        level("stopping: %s", reason.message)
+        if reason.why == "signal":
+            log.info("stopping: %s", reason.message)
+        else:
+            self.failure = reason.message
+            log.debug("stopping: %s", reason.message)
         if child is None:
             return reason.code
         rc = await child.stop(grace, reason.signum)

@@ -4,11 +4,18 @@
 is `slicer-launch run` (the launcher's own code) with the group's `--socket`; `demo` is
 `make demo`; `completion bash|zsh` prints the shell completion script.
 
+`watch` follows the daemon across restarts: when the connection drops it says so in one
+line on stderr, reconnects with a capped backoff (each attempt bounded) until Ctrl-C or
+SIGTERM, says when it is back, and goes on printing the new daemon's events (events while
+no daemon ran are not replayed). `watch --once` ends with the stream instead (exit 69).
+
 Every command that prints data takes `--json` for scripts (`demo` passes it to the demo).
-Times are shown in local time. Exit codes: 0 success, 1 the daemon answered ERR (or sent a
-line we could not parse), 2 usage error, 69 (EX_UNAVAILABLE) the daemon cannot be reached
-or stopped answering; `run` exits with the launcher's codes (the child's own, 69, 70, 78,
-...), `demo` with the demo's.
+Times are shown in local time. A failure is one line on stderr, ``slicerctl: error: WHAT
+(WHAT TO DO)``, never a traceback. Exit codes: 0 success, 1 the daemon answered ERR (or
+sent a line we could not parse), 64 (EX_USAGE) usage error, 69 (EX_UNAVAILABLE) the daemon
+cannot be reached or stopped answering, 77 (EX_NOPERM) permission denied on its socket,
+70 (EX_SOFTWARE) an internal error; `run` exits with the launcher's codes (the child's own,
+69, 70, 78, ...), `demo` with the demo's.
 """
 
 from __future__ import annotations
@@ -32,9 +39,14 @@ from click.shell_completion import BashComplete, ShellComplete, ZshComplete
 
 from gpu_slicer import proto
 from gpu_slicer.slicer.client import ClientError, Slicer, Unreachable, socket_path
+from gpu_slicer.slicer.exits import EX_NOPERM, EX_UNAVAILABLE, CliFailure, OneLineGroup
 
-EX_UNAVAILABLE = 69
 REPLY_TIMEOUT = 30.0  # seconds to wait for a reply to PING/STATUS/WATCH
+# watch's reconnection: each attempt (connect + WATCH) is bounded by RECONNECT_TIMEOUT; the
+# pause between attempts doubles from RECONNECT_FIRST up to RECONNECT_CAP.
+RECONNECT_TIMEOUT = 5.0
+RECONNECT_FIRST = 0.1
+RECONNECT_CAP = 2.0
 PROG = "slicerctl"
 COMPLETE_VAR = "_SLICERCTL_COMPLETE"  # what click derives from PROG; the scripts set it
 SHELLS: dict[str, type[ShellComplete]] = {"bash": BashComplete, "zsh": ZshComplete}
@@ -42,9 +54,11 @@ SHELLS: dict[str, type[ShellComplete]] = {"bash": BashComplete, "zsh": ZshComple
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+UNREACHABLE_HINT = "is slicerd running? check `systemctl status slicer`, or pass --socket"
+
+
 def _fail(code: int, message: str) -> NoReturn:
-    click.echo(f"slicerctl: {message}", err=True)
-    raise click.exceptions.Exit(code)
+    raise CliFailure(message, code)
 
 
 def _why(e: Unreachable) -> str:
@@ -54,21 +68,42 @@ def _why(e: Unreachable) -> str:
     return e.text
 
 
-@contextlib.contextmanager
-def _session(path: str) -> Iterator[Slicer]:
-    """A connection to slicerd; failures become a message on stderr and an exit code."""
-    hint = "is slicerd running? (systemctl status slicer)"
+def _connect(path: str, timeout: float) -> Slicer:
+    """A connection to slicerd at `path`, or `CliFailure` saying why there is none."""
     try:
-        with Slicer(path, timeout=REPLY_TIMEOUT) as s:
+        return Slicer(path, timeout=timeout)
+    except Unreachable as e:
+        if isinstance(e.__cause__, PermissionError):
+            _fail(
+                EX_NOPERM,
+                f"permission denied on slicerd's socket {path} (join the socket's group, "
+                "see socket_group in slicer.toml, or run as root)",
+            )
+        _fail(EX_UNAVAILABLE, f"cannot reach slicerd at {path}: {_why(e)} ({UNREACHABLE_HINT})")
+
+
+@contextlib.contextmanager
+def _session(path: str, timeout: float = REPLY_TIMEOUT) -> Iterator[Slicer]:
+    """A connection to slicerd; failures become one line on stderr and an exit code."""
+    s = _connect(path, timeout)
+    try:
+        with s:
             yield s
     except Unreachable as e:
-        _fail(EX_UNAVAILABLE, f"cannot reach slicerd at {path}: {_why(e)}; {hint}")
+        _fail(
+            EX_UNAVAILABLE,
+            f"lost the connection to slicerd at {path}: {_why(e)} ({UNREACHABLE_HINT})",
+        )
     except TimeoutError:
-        _fail(EX_UNAVAILABLE, f"slicerd at {path} sent no reply within {REPLY_TIMEOUT:g} s")
+        _fail(
+            EX_UNAVAILABLE,
+            f"slicerd at {path} sent no reply within {timeout:g} s "
+            "(it may be stuck or overloaded: check `journalctl -u slicer`)",
+        )
     except ClientError as e:
-        _fail(1, str(e))
+        _fail(1, f"slicerd answered ERR {e}")
     except proto.ProtocolError as e:
-        _fail(1, f"bad reply from slicerd at {path}: {e}")
+        _fail(1, f"bad reply from slicerd at {path}: {e} (is it a slicerd of this version?)")
 
 
 def _json_option(f: F) -> F:
@@ -206,7 +241,7 @@ def format_event(body: dict[str, Any], at: datetime) -> str:
     return f"{head}  turn={cell(body.get('turn'))}  {extra}".rstrip()
 
 
-@click.group(name=PROG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(name=PROG, cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--socket",
     "sock",
@@ -257,23 +292,80 @@ def workloads(path: str, as_json: bool) -> None:
 @click.option(
     "--count", type=click.IntRange(min=1), default=None, help="Stop after this many events."
 )
+@click.option(
+    "--once",
+    is_flag=True,
+    help="End when the daemon goes away (exit 69) instead of reconnecting.",
+)
 @click.pass_obj
-def watch(path: str, as_json: bool, count: int | None) -> None:
-    """Print each state change as it happens, until Ctrl-C (or `--count` events)."""
+def watch(path: str, as_json: bool, count: int | None, once: bool) -> None:
+    """Print each state change as it happens, until Ctrl-C (or `--count` events).
+
+    When the daemon restarts, watch says so on stderr, reconnects (retrying with a capped
+    backoff until it is back, or Ctrl-C/SIGTERM) and goes on; `--once` exits 69 instead."""
+    seen = 0
+
+    def show(body: dict[str, Any]) -> bool:
+        nonlocal seen
+        click.echo(json.dumps(body) if as_json else format_event(body, datetime.now()))
+        seen += 1
+        return count is not None and seen >= count
+
     try:
         with _session(path) as s:
             s.request(proto.Watch())
             click.echo(f"slicerctl: watching slicerd at {path} (Ctrl-C to stop)", err=True)
-            for seen, body in enumerate(_events(s), start=1):
-                click.echo(json.dumps(body) if as_json else format_event(body, datetime.now()))
-                if count is not None and seen >= count:
-                    return
+            if once:
+                for body in _events(s):
+                    if show(body):
+                        return
+                return
+            lost = _follow(s, show)
+        while lost is not None:
+            click.echo(f"slicerctl: daemon connection lost ({lost}); reconnecting", err=True)
+            s = _reconnect(path)
+            with s:
+                click.echo(f"slicerctl: reconnected to {path}", err=True)
+                lost = _follow(s, show)
     except KeyboardInterrupt:
         return
     except BrokenPipeError:  # `slicerctl watch | head`: the reader left; so do we, quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
+
+
+def _follow(s: Slicer, show: Callable[[dict[str, Any]], bool]) -> str | None:
+    """Show the events of a subscribed connection; None once `show` says stop, else why
+    the connection ended."""
+    try:
+        for body in _events(s):
+            if show(body):
+                return None
+    except Unreachable as e:
+        return _why(e)
+    except proto.ProtocolError as e:  # a line cut off by the daemon's death, say
+        return f"bad line: {e}"
+    raise AssertionError("unreachable: _events never ends")  # pragma: no cover
+
+
+def _reconnect(path: str) -> Slicer:
+    """A new connection to `path`, subscribed with WATCH: tries until it works, each try
+    bounded by RECONNECT_TIMEOUT, pausing a doubling delay capped at RECONNECT_CAP."""
+    pause = RECONNECT_FIRST
+    while True:
+        try:
+            s = Slicer(path, timeout=RECONNECT_TIMEOUT)
+        except Unreachable:
+            pass
+        else:
+            try:
+                s.request(proto.Watch(), timeout=RECONNECT_TIMEOUT)
+                return s
+            except (ClientError, TimeoutError, proto.ProtocolError):
+                s.close()  # a daemon still starting, or at its limits: try again
+        time.sleep(pause)
+        pause = min(pause * 2, RECONNECT_CAP)
 
 
 # Commands other packages add to slicerctl: entry points of this group, each a function

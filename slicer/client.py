@@ -1,25 +1,30 @@
-"""Clients of slicerd: `Slicer` for plain blocking code, `AsyncSlicer` for trio programs.
+"""Clients of slicerd: `Slicer` for plain blocking code, `AsyncioSlicer` for asyncio
+programs (veRL, OpenRLHF, SkyRL, ...), `AsyncSlicer` for trio programs.
 
-Both are thin transports over one sans-IO `proto.ClientSession`, which owns the protocol:
-the reply to each request (pipelined ones included), the `FAULT`, `WAITING`, `PARK` and
-`EVENT` lines that arrive between replies (queued in `events`, each also passed to
-`on_event`), and which exception a failure is. So the two have the same methods with the
+All three are thin transports over one sans-IO `proto.ClientSession`, which owns the
+protocol: the reply to each request (pipelined ones included), the `FAULT`, `WAITING`,
+`PARK` and `EVENT` lines that arrive between replies (queued in `events`, each also passed
+to `on_event`), and which exception a failure is. So they have the same methods with the
 same signatures and raise alike: `ClientError` on ERR (`code` is the wire code), `Faulted`
 when a FAULT arrived while a request waited (its reply was read first), `Unreachable` when
 the daemon cannot be reached or the connection dropped, `proto.RemoteProtocolError` for a
-daemon that broke the protocol. A `timeout` that passes raises the transport's own error:
-`TimeoutError` (blocking), `trio.TooSlowError` (trio); the request is abandoned in the
-session (its late reply is dropped, so the connection stays in step, and a turn its ACQUIRE
-was granted meanwhile is released at once: `proto.Call.abandon`). A trainer needs two lines:
+daemon that broke the protocol. A `timeout` that passes raises the loop's own error:
+`TimeoutError` (blocking and asyncio), `trio.TooSlowError` (trio); the request is abandoned
+in the session (its late reply is dropped, so the connection stays in step, and a turn its
+ACQUIRE was granted meanwhile is released at once: `proto.Call.abandon`). An async task
+cancelled while it waits abandons its call the same way. A trainer needs two lines:
 
     s = Slicer.from_env()                 # SLICER_SOCKET / SLICER_WORKLOAD from slicer-launch
     with s.turn():                        # blocks until granted, always releases
         train_step()
 
-and a trio program ``async with await AsyncSlicer.connect() as s, s.turn(): ...``.
+under asyncio ``async with await AsyncioSlicer.from_env() as s, s.turn(): ...``, and under
+trio the same with `AsyncSlicer`. Code that may run under either loop (a library) calls
+`connect_async`, which picks the client of the running loop.
 
-This module is where both are imported from: `Slicer` lives here, `AsyncSlicer` in
-`client_trio`, and what they share (`socket_path`, the timeouts) in `client_common`.
+This module is where all are imported from: `Slicer` lives here, `AsyncSlicer` in
+`client_trio`, `AsyncioSlicer` in `client_asyncio`, and what they share (`socket_path`, the
+timeouts) in `client_common`.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import sniffio
 
 from gpu_slicer import proto
 from gpu_slicer.proto import ClientError, Faulted, Turn, Unreachable
@@ -41,22 +48,52 @@ from gpu_slicer.slicer.client_common import (
     release_stuck,
     socket_path,
 )
-from gpu_slicer.slicer.client_trio import WRITE_TIMEOUT as WRITE_TIMEOUT
+from gpu_slicer.slicer.client_common import WRITE_TIMEOUT as WRITE_TIMEOUT
 from gpu_slicer.slicer.client_trio import AsyncSlicer
+
+if TYPE_CHECKING:
+    from gpu_slicer.slicer.client_asyncio import AsyncioSlicer
 
 __all__ = [
     "RELEASE_TIMEOUT",
     "REPLY_TIMEOUT",
     "AsyncSlicer",
+    "AsyncioSlicer",
     "ClientError",
     "Faulted",
     "Slicer",
     "Turn",
     "Unreachable",
+    "connect_async",
     "socket_path",
 ]
 
 T = TypeVar("T")
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: asyncio adds 0.1-0.2 s to the start of every blocking
+    # trainer and CLI (measured here), which never use it.
+    if name == "AsyncioSlicer":
+        from gpu_slicer.slicer.client_asyncio import AsyncioSlicer
+
+        return AsyncioSlicer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+async def connect_async(
+    path: str | None = None, workload: str | None = None, timeout: float = 30.0
+) -> AsyncSlicer | AsyncioSlicer:
+    """`AsyncSlicer.connect` under trio, `AsyncioSlicer.connect` under asyncio (the
+    running loop, as sniffio tells it): for code that may run under either."""
+    library = sniffio.current_async_library()
+    if library == "trio":
+        return await AsyncSlicer.connect(path, workload, timeout)
+    if library == "asyncio":
+        from gpu_slicer.slicer.client_asyncio import AsyncioSlicer
+
+        return await AsyncioSlicer.connect(path, workload, timeout)
+    raise RuntimeError(f"no slicerd client for the {library} event loop (trio or asyncio)")
 
 
 class Slicer(SessionView):

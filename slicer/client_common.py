@@ -1,7 +1,8 @@
-"""What slicerd's two client transports share: where the daemon listens and how long to wait.
+"""What slicerd's client transports share: where the daemon listens and how long to wait.
 
 `gpu_slicer.slicer.client` re-exports the public names; the transports (`client.Slicer`,
-`client_trio.AsyncSlicer`) import them from here, so neither imports the other.
+`client_trio.AsyncSlicer`, `client_asyncio.AsyncioSlicer`) import them from here, so none
+imports another.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "RECV_SIZE",
     "RELEASE_TIMEOUT",
     "REPLY_TIMEOUT",
+    "WRITE_TIMEOUT",
     "SessionView",
     "release_stuck",
     "socket_path",
@@ -32,6 +34,9 @@ or a waiter needs the room): with the default limits at most the registrant's an
 connection is closed (the daemon then ends the turn, if it still can)."""
 RECV_SIZE = 65536
 """Bytes asked of the socket per read."""
+WRITE_TIMEOUT = 10.0
+"""Bound (seconds) on writing request lines (the async clients): a write only blocks while
+the daemon reads nothing; past it the connection is taken as lost."""
 
 
 def socket_path(path: str | None = None) -> str:

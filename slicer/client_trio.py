@@ -9,18 +9,18 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import trio
 
 from gpu_slicer import proto
-from gpu_slicer.proto import ClientError, Faulted, Turn, Unreachable
+from gpu_slicer.proto import Turn, Unreachable
+from gpu_slicer.slicer.client_async import AsyncCalls
 from gpu_slicer.slicer.client_common import (
     RECV_SIZE,
     RELEASE_TIMEOUT,
-    REPLY_TIMEOUT,
-    SessionView,
+    WRITE_TIMEOUT,
     release_stuck,
     socket_path,
 )
@@ -28,14 +28,13 @@ from gpu_slicer.slicer.client_common import (
 __all__ = ["WRITE_TIMEOUT", "AsyncSlicer"]
 
 T = TypeVar("T")
-WRITE_TIMEOUT = 10.0  # a request line only blocks while the daemon reads nothing
 
 
 def _bound(timeout: float | None) -> contextlib.AbstractContextManager[trio.CancelScope]:
     return trio.fail_after(math.inf if timeout is None else timeout)
 
 
-class AsyncSlicer(SessionView):
+class AsyncSlicer(AsyncCalls):
     """A trio connection to slicerd: ``async with await AsyncSlicer.connect(...) as s``.
 
     The same calls as `Slicer`, awaited. Tasks may share one connection: requests are
@@ -143,78 +142,6 @@ class AsyncSlicer(SessionView):
             while (msg := self._session.next_event()) is None:
                 await self._pump(lambda: bool(self._session.events))
         return msg
-
-    async def request(self, req: proto.Request, timeout: float | None = REPLY_TIMEOUT) -> proto.Ok:
-        """Send `req` and wait (at most `timeout`, None = forever) for its reply."""
-        return await self._call(lambda: self._session.send(req), timeout)
-
-    async def ping(self) -> None:
-        """PING."""
-        await self._call(self._session.ping, REPLY_TIMEOUT)
-
-    async def register(self, name: str | None = None, **kw: Any) -> dict[str, str]:
-        """REGISTER (keywords: gpu, pid, tree, park, parked_max, fallback, ask); `name`
-        becomes the default workload of later calls."""
-        return await self._call(lambda: self._session.register(name, **kw), REPLY_TIMEOUT)
-
-    async def acquire(self, name: str | None = None, wait: float | None = None) -> Turn:
-        """ACQUIRE: wait until granted (or `wait` seconds: ClientError timeout)."""
-        return await self._call(lambda: self._session.acquire(name, wait), None)
-
-    async def release(self, t: Turn, park: str = "lazy") -> dict[str, str]:
-        """RELEASE the turn `t` (`park` "lazy" or "now")."""
-        return await self._call(lambda: self._session.release(t, park), None)
-
-    async def parked(self, name: str, turn: int, ok: bool = True) -> None:
-        """PARKED: answer a PARK (`ok` False: this registrant could not park it)."""
-        await self._call(lambda: self._session.parked(name, turn, ok), REPLY_TIMEOUT)
-
-    async def unregister(self, name: str | None = None) -> None:
-        """UNREGISTER."""
-        await self._call(lambda: self._session.unregister(name), REPLY_TIMEOUT)
-
-    async def status(self) -> dict[str, Any]:
-        """STATUS as a dict."""
-        return await self._call(self._session.status, REPLY_TIMEOUT)
-
-    async def watch(self) -> AsyncIterator[dict[str, Any]]:
-        """WATCH, then yield each event body, forever."""
-        await self._call(self._session.watch, REPLY_TIMEOUT)
-        while True:
-            msg = await self.next_message()
-            if isinstance(msg, proto.Event):
-                yield msg.body
-
-    @contextlib.asynccontextmanager
-    async def turn(
-        self, name: str | None = None, wait: float | None = None, park: str = "lazy"
-    ) -> AsyncIterator[Turn]:
-        """Hold a turn for the `async with` body; released on the way out, exceptions and
-        cancellation included.
-
-        The release is shielded and bounded by `release_timeout`: past it the connection
-        is closed and, when the body ended normally, `Unreachable` is raised. An ACQUIRE
-        that raises `Faulted` with a granted turn releases that turn before the `Faulted`
-        goes on."""
-        made: list[proto.Call[Turn]] = []
-
-        def make() -> proto.Call[Turn]:
-            made.append(self._session.acquire(name, wait))
-            return made[-1]
-
-        try:
-            t = await self._call(make, None)
-        except Faulted:
-            if (granted := made[-1].granted()) is not None:
-                with contextlib.suppress(ClientError, proto.ProtocolError):
-                    await self._end_turn(granted, park, loud=False)
-            raise
-        finished = False
-        try:
-            yield t
-            finished = True
-        finally:
-            await self._end_turn(t, park, loud=finished)
 
     async def _end_turn(self, t: Turn, park: str, loud: bool) -> None:
         with trio.CancelScope(shield=True):

@@ -53,6 +53,8 @@ class Config:
     # A grant check may reuse a clean reading of its GPU this young (0: always read);
     # the trade is argued in `slicer.reuse`.
     verify_reuse_ms: float = 20.0
+    # HOST:PORT of the Prometheus metrics listener (`slicer.metrics`); empty: none.
+    metrics_listen: str = ""
 
     def validate(self) -> Config:
         """Return self, or raise ConfigError naming the first bad value."""
@@ -90,12 +92,27 @@ class Config:
                     grp.getgrnam(group)
                 except KeyError:
                     raise ConfigError(f"{key}: no group named {group!r}") from None
+        if self.metrics_listen:
+            parse_listen(self.metrics_listen)
         if not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(f"socket_mode must be an octal mode, got {self.socket_mode:o}")
         return self
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` as (host, port); raise ConfigError naming the key and the form."""
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if sep and host and port.isdigit() and int(port) <= 65535 and " " not in host:
+        return host, int(port)
+    raise ConfigError(
+        f"metrics_listen must be HOST:PORT (e.g. 127.0.0.1:9403, port 0 for any free one), "
+        f"got {value!r}"
+    )
 
 
 def _coerce(key: str, value: Any) -> Any:
@@ -123,12 +140,25 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Co
     if path or file.exists():
         try:
             doc = tomllib.loads(file.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"cannot read config {file}: {e}") from e
+        except OSError as e:
+            raise ConfigError(
+                f"cannot read config {file}: {e.strerror or e} (check the --config path and "
+                "that slicerd may read it)"
+            ) from e
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(
+                f"cannot read config {file}: not valid TOML: {e} (fix the file; see "
+                "systemd/slicer.toml.example)"
+            ) from e
         section = doc.get("slicer", doc)
+        if not isinstance(section, dict):
+            raise ConfigError(f"{file}: [slicer] must be a table (fix the file)")
         for key, value in section.items():
             if key not in _FIELDS:
-                raise ConfigError(f"{file}: unknown key {key!r}")
+                raise ConfigError(
+                    f"{file}: unknown key {key!r} (the keys are listed in the README, "
+                    '"Configuration")'
+                )
             values[key] = _coerce(key, value)
     if os.environ.get("SLICER_SOCKET"):
         values["socket"] = os.environ["SLICER_SOCKET"]

@@ -1,4 +1,14 @@
-"""`slicerd`: the per-node GPU time-slicing daemon (entry point)."""
+"""`slicerd`: the per-node GPU time-slicing daemon (entry point).
+
+A failure to start is one line on stderr, ``slicerd: error: WHAT (WHAT TO DO)``, never a
+traceback, and a sysexits-style exit code (README, "Running slicerd"): 0 stopped by
+SIGTERM/SIGINT; 64 a bad option or value on the command line; 69 the GPU backend's driver
+is unavailable, or another daemon listens on the socket path; 70 an internal error (a
+bug; ``--log-level debug`` logs its traceback); 78 the configuration is wrong (config
+file missing, unreadable, not TOML, an unknown key, a bad value, an unknown GPU backend,
+an unusable socket path), the state dir is unusable or owned by another slicerd, or the
+journal is unreadable (slicer.service does not restart on 78); 1 any other failure.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +26,19 @@ import trio
 
 from gpu_slicer.slicer import __version__
 from gpu_slicer.slicer.config import Config, load
-from gpu_slicer.slicer.errors import SlicerError
+from gpu_slicer.slicer.errors import ConfigError, GpuBackendError, SlicerError
+from gpu_slicer.slicer.exits import (
+    EX_CONFIG,
+    EX_SOFTWARE,
+    EX_UNAVAILABLE,
+    CliFailure,
+    OneLineCommand,
+    one_line,
+)
 from gpu_slicer.slicer.gpu import open_backend
 from gpu_slicer.slicer.journal import Journal, JournalError, StateDirLocked, StateLock
-from gpu_slicer.slicer.listen import open_listener
+from gpu_slicer.slicer.listen import SocketBusy, open_listener
+from gpu_slicer.slicer.metrics_http import MetricsListenError, serve_metrics
 from gpu_slicer.slicer.notify import sd_notify, watchdog_interval
 from gpu_slicer.slicer.park import CheckpointParker, ToolRunner
 from gpu_slicer.slicer.server import Server
@@ -31,9 +50,6 @@ log = logging.getLogger("slicer")
 def _tool_path(cfg: Config) -> str:
     found = shutil.which(cfg.cuda_checkpoint)
     return os.path.abspath(found or cfg.cuda_checkpoint)
-
-
-EX_CONFIG = 78  # an unreadable journal: slicer.service does not restart on it
 
 
 async def serve(
@@ -71,6 +87,7 @@ async def serve(
             async with trio.open_nursery() as nursery:
                 parker = CheckpointParker(_tool_path(cfg), ToolRunner(nursery))
                 server = Server(cfg, sm, backend, parker, journal, entries)
+                await nursery.start(serve_metrics, cfg, server)  # none without metrics_listen
                 await nursery.start(server.run, listener)
                 log.info(
                     "slicerd %s listening on %s (%d GPUs)", __version__, cfg.socket, len(devices)
@@ -97,7 +114,9 @@ async def _watchdog(every: float) -> None:
         await trio.sleep(every)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(
+    "slicerd", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]}
+)
 @click.version_option(__version__, prog_name="slicerd")
 @click.option("--config", "config_path", help="TOML file (default /etc/slicer/slicer.toml).")
 @click.option("--socket", help="Unix socket path (env SLICER_SOCKET).")
@@ -125,6 +144,10 @@ async def _watchdog(every: float) -> None:
 )
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option(
+    "--metrics-listen",
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off).",
+)
+@click.option(
     "--discard-journal",
     is_flag=True,
     help="Move an unreadable journal aside and start without it (see README).",
@@ -134,7 +157,7 @@ def main(config_path: str | None, discard_journal: bool, **flags: Any) -> None:
     try:
         cfg = load(config_path, flags)
     except SlicerError as e:
-        raise click.ClickException(str(e)) from e
+        raise CliFailure(str(e), EX_CONFIG) from None
     logging.basicConfig(
         level=cfg.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -142,12 +165,34 @@ def main(config_path: str | None, discard_journal: bool, **flags: Any) -> None:
     )
     try:
         trio.run(functools.partial(serve, cfg, discard_journal=discard_journal))
-    except (JournalError, StateDirLocked) as e:
-        log.error("%s", e)
-        sys.exit(EX_CONFIG)
-    except SlicerError as e:
-        log.error("%s", e)
-        sys.exit(1)
+    except BaseException as e:  # every failure is one line (module docstring)
+        raise _failure(_leaf(e)) from None
+
+
+def _leaf(e: BaseException) -> BaseException:
+    # A failure inside serve()'s nursery arrives wrapped in exception groups.
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return e
+
+
+def _failure(e: BaseException) -> BaseException:
+    """The `CliFailure` (line and exit code) for what stopped the daemon."""
+    if isinstance(e, KeyboardInterrupt | SystemExit | click.ClickException):
+        return e  # Ctrl-C before the signal handlers were up: exit 130, quietly; or a
+        # failure that carries its own line and code
+    if isinstance(e, SocketBusy | GpuBackendError | MetricsListenError):
+        return CliFailure(str(e), EX_UNAVAILABLE)
+    if isinstance(e, JournalError | StateDirLocked | ConfigError):
+        return CliFailure(str(e), EX_CONFIG)
+    if isinstance(e, SlicerError):
+        return CliFailure(str(e), 1)
+    log.debug("internal error", exc_info=e)  # the traceback, for a bug report
+    return CliFailure(
+        f"internal error: {type(e).__name__}: {one_line(str(e))} (a bug; please report "
+        "it with the output of --log-level debug)",
+        EX_SOFTWARE,
+    )
 
 
 if __name__ == "__main__":

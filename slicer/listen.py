@@ -15,6 +15,10 @@ from gpu_slicer.slicer.errors import ConfigError
 SD_LISTEN_FDS_START = 3
 
 
+class SocketBusy(ConfigError):
+    """Another daemon listens on the socket path (slicerd exits 69 on it, not 78)."""
+
+
 def _adopted() -> socket.socket | None:
     """The socket systemd passed us (LISTEN_FDS/LISTEN_PID), if any."""
     if os.environ.get("LISTEN_PID") != str(os.getpid()):
@@ -44,7 +48,10 @@ def _bind(path: str, mode: int, group: str | None) -> socket.socket:
         except OSError:
             os.unlink(path)  # stale: nobody listens
         else:
-            raise ConfigError(f"another daemon is listening on {path}")
+            raise SocketBusy(
+                f"another daemon is listening on {path} (stop it, or give this one its own "
+                "--socket)"
+            )
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -70,6 +77,12 @@ def _bind(path: str, mode: int, group: str | None) -> socket.socket:
 def open_listener(path: str, mode: int, group: str | None) -> tuple[trio.SocketListener, bool]:
     """A trio listener and whether we bound it ourselves (then we unlink it on exit)."""
     adopted = _adopted()
-    sock = adopted if adopted is not None else _bind(path, mode, group)
+    try:
+        sock = adopted if adopted is not None else _bind(path, mode, group)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot listen on {path}: {e.strerror or e} (its directory must be writable "
+            "by slicerd; or choose another --socket)"
+        ) from e
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
     return listener, adopted is None

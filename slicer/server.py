@@ -149,6 +149,8 @@ class Server:
         self._writing = False
         self._failed_seq = 0
         self._children: tuple[float, dict[int, list[int]]] = (-1.0, {})
+        # Called with each WATCH event performed, watched or not (`slicer.metrics`).
+        self.on_event: Callable[[dict[str, Any]], None] | None = None
         self._ops = GpuOps(
             cfg,
             sm,
@@ -448,6 +450,8 @@ class Server:
                 self._ops.batch = {}  # what the batch read of the GPUs is stale now
                 log.error("killed %d GPU processes of faulted workload %s", n, e.workload)
             case Emit():
+                if self.on_event is not None:
+                    self.on_event(e.body)
                 self._broadcast(e.body)
             case Persist() if e.lazy:
                 self._lazy = True  # written once after the batch (`_write_behind`)

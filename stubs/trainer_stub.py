@@ -7,7 +7,9 @@ sure its working set is on the (fake) GPU, "trains" for `--work` seconds, and RE
 With `--park checkpoint` (default) the daemon moves its memory with cuda-checkpoint; with
 `--park cooperative` it frees its memory itself before each RELEASE (an offload) and
 allocates it again after each grant. A FAULT makes it exit 3, as a real trainer must.
-When run under `slicer-launch` it is not the registrant and only takes turns.
+Under `slicer-launch run` pass `--no-register`: the launcher has registered the workload
+(its own pid, `tree=1`), so the stub only takes turns (its own REGISTER would be refused:
+`exists`).
 
 With `--revisions-dir DIR` each step, once its turn is released, saves its "weights" as
 DIR/rev-K/revision.txt (K = 1, 2, ...); with `--publish-url URL` too, it publishes them to

@@ -35,7 +35,7 @@ from click.testing import CliRunner, Result
 from gpu_slicer.slicer.cli import duration, format_event, main, render_table, status_text
 from tests.harness import Stack, running_stack, workload
 
-HINT = "is slicerd running? (systemctl status slicer)"
+HINT = "is slicerd running? check `systemctl status slicer`, or pass --socket"
 
 STATUS_BODY: dict[str, Any] = {
     "version": "0.1.0",
@@ -113,7 +113,7 @@ def test_unreachable_exits_69_with_hint(cmd: list[str]) -> None:
     assert r.exit_code == 69
     assert r.stdout == ""
     assert r.stderr.strip() == (
-        f"slicerctl: cannot reach slicerd at {path}: No such file or directory; {HINT}"
+        f"slicerctl: error: cannot reach slicerd at {path}: No such file or directory ({HINT})"
     )
 
 
@@ -160,7 +160,7 @@ def test_err_reply_exits_1() -> None:
     with scripted_daemon({"STATUS": [b"ERR internal -- state machine on fire\n"]}) as path:
         r = invoke("--socket", path, "status")
     assert r.exit_code == 1
-    assert r.stderr == "slicerctl: internal: state machine on fire\n"
+    assert r.stderr == "slicerctl: error: slicerd answered ERR internal: state machine on fire\n"
 
 
 def test_watch_count_json_and_text() -> None:
@@ -176,10 +176,10 @@ def test_watch_count_json_and_text() -> None:
         assert re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3}  granted +w  turn=3  gpu=0 restored=no", out[1])
 
 
-def test_watch_daemon_gone_exits_69() -> None:
+def test_watch_once_daemon_gone_exits_69() -> None:
     lines = [b"OK\n", b"EVENT " + json.dumps(EVENTS[0]).encode() + b"\n"]
     with scripted_daemon({"WATCH": lines}, close_after=True) as path:
-        r = invoke("--socket", path, "watch", "--json")
+        r = invoke("--socket", path, "watch", "--json", "--once")
     assert r.exit_code == 69
     assert len(r.stdout.splitlines()) == 1
     assert "the daemon closed the connection" in r.stderr
@@ -238,7 +238,7 @@ def test_completion_script(shell: str, marks: list[str]) -> None:
 
 def test_completion_unknown_shell_is_a_usage_error() -> None:
     r = invoke("completion", "fish")
-    assert r.exit_code == 2 and "'fish' is not one of 'bash', 'zsh'" in r.stderr
+    assert r.exit_code == 64 and "'fish' is not one of 'bash', 'zsh'" in r.stderr
 
 
 def test_completion_protocol_answers_commands_and_options() -> None:
@@ -311,8 +311,8 @@ async def test_integration_ping_and_unreachable_after_stop() -> None:
                 r = await ainvoke("--socket", stack.socket, *cmd)
                 assert r.exit_code == 69, (cmd, r.output)
                 assert r.stdout == ""
-                assert f"slicerctl: cannot reach slicerd at {stack.socket}: " in r.stderr
-                assert r.stderr.rstrip().endswith(HINT)
+                assert f"slicerctl: error: cannot reach slicerd at {stack.socket}: " in r.stderr
+                assert r.stderr.rstrip().endswith(f"({HINT})")
 
 
 @pytest.mark.integration
@@ -462,13 +462,15 @@ async def test_integration_watch_text() -> None:
 
 
 @pytest.mark.integration
-async def test_integration_watch_exits_69_when_the_daemon_stops() -> None:
+async def test_integration_watch_once_exits_69_when_the_daemon_stops() -> None:
     with trio.fail_after(60):
         async with running_stack() as stack:
             box: dict[str, Result] = {}
 
             async def cli(path: str) -> None:
-                box["r"] = await ainvoke("--socket", path, "watch", "--json", abandon=True)
+                box["r"] = await ainvoke(
+                    "--socket", path, "watch", "--json", "--once", abandon=True
+                )
 
             async with watch_relay(stack) as (path, subscribed), trio.open_nursery() as n:
                 n.start_soon(cli, path)

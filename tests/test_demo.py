@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN = ["-m", "demo"]  # as `make demo` runs it, from the checkout's root
 # The chart's colours (matplotlib's tab10: demo/chart.py), and its empty track's grey.
 TRAINER, SAMPLER = (31, 119, 180), (255, 127, 14)
-PARKING, RESTORING = (214, 39, 40), (44, 160, 44)
+PARK, RESTORE = (214, 39, 40), (44, 160, 44)
+VLLM_SLEEP, VLLM_WAKE_LOAD = (227, 119, 194), (23, 190, 207)
 TRACK = (240, 240, 240)
 
 
@@ -152,8 +153,9 @@ def test_loop_demo_serves_every_request_with_its_revision(tmp_path: Path) -> Non
     assert r["png"]["path"] == str(png)
     width, height, _ = read_png(png)
     assert (width, height) == (r["png"]["width"], r["png"]["height"])
-    # It shows both workloads' turns, parking and restoring in their legend's colours.
-    assert {TRAINER, SAMPLER, PARKING, RESTORING} <= colours(png)
+    # It shows both workloads' turns, slicerd's park and restore, and the sampler's vLLM
+    # wake + load and sleep, each in its legend's colour.
+    assert {TRAINER, SAMPLER, PARK, RESTORE, VLLM_SLEEP, VLLM_WAKE_LOAD} <= colours(png)
 
 
 @pytest.mark.integration
@@ -183,8 +185,8 @@ def test_chart_draws_each_span_where_the_report_says(tmp_path: Path) -> None:
     from demo.chart import chart, write_chart
 
     rows = [
-        ("trainer", [(0.0, 2.0, "held"), (2.0, 3.0, "parking"), (7.0, 8.0, "restoring")]),
-        ("sampler", [(3.5, 6.5, "held"), (3.5, 4.0, "restoring"), (6.0, 6.5, "parking")]),
+        ("trainer", [(0.0, 2.0, "held"), (2.0, 3.0, "park"), (7.0, 8.0, "restore")]),
+        ("sampler", [(3.5, 6.5, "held"), (3.5, 4.0, "vLLM wake + load"), (6.0, 6.5, "vLLM sleep")]),
     ]
     fig = chart("gpu-slicer demo: overlaps 0", rows, 10.0)
     (ax,) = fig.axes
@@ -196,8 +198,10 @@ def test_chart_draws_each_span_where_the_report_says(tmp_path: Path) -> None:
     assert [t.get_text() for t in legend.get_texts()] == [
         "trainer holds the GPU",
         "sampler holds the GPU",
-        "parking",
-        "restoring",
+        "park",
+        "restore",
+        "vLLM sleep",
+        "vLLM wake + load",
     ]
     fig.canvas.draw()
     rgba = np.asarray(fig.canvas.buffer_rgba())  # type: ignore[attr-defined]
@@ -207,14 +211,31 @@ def test_chart_draws_each_span_where_the_report_says(tmp_path: Path) -> None:
         r, g, b, _ = rgba[rgba.shape[0] - 1 - round(y), round(x)]
         return int(r), int(g), int(b)
 
-    assert at(1.0, 0) == TRAINER and at(2.5, 0) == PARKING and at(7.5, 0) == RESTORING
-    assert at(5.0, 1) == SAMPLER and at(3.7, 1) == RESTORING and at(6.2, 1) == PARKING
+    assert at(1.0, 0) == TRAINER and at(2.5, 0) == PARK and at(7.5, 0) == RESTORE
+    assert at(5.0, 1) == SAMPLER and at(3.7, 1) == VLLM_WAKE_LOAD and at(6.2, 1) == VLLM_SLEEP
     assert at(5.0, 0) == at(1.0, 1) == TRACK  # nobody's: the empty track
     path = tmp_path / "out" / "timeline.png"
     width, height = write_chart(path, "t", rows, 10.0)
     assert read_png(path)[:2] == (width, height) and width >= 800
     assert [p.name for p in path.parent.iterdir()] == ["timeline.png"]  # no temporary left
-    assert {TRAINER, SAMPLER, PARKING, RESTORING} <= colours(path)
+    assert {TRAINER, SAMPLER, PARK, RESTORE, VLLM_SLEEP, VLLM_WAKE_LOAD} <= colours(path)
+
+
+def test_chart_legend_names_only_the_phases_it_draws() -> None:
+    from demo.chart import chart
+
+    # Two trainers (the demo's --mode trainers): no vLLM, so no vLLM phase in the legend.
+    rows = [
+        ("trainer-a", [(0.0, 2.0, "held"), (2.0, 3.0, "park")]),
+        ("trainer-b", [(3.5, 6.5, "held"), (3.0, 3.5, "restore")]),
+    ]
+    (legend,) = chart("t", rows, 10.0).legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "trainer-a holds the GPU",
+        "trainer-b holds the GPU",
+        "park",
+        "restore",
+    ]
 
 
 def test_without_matplotlib_the_report_says_the_chart_needs_the_extra(

@@ -370,11 +370,12 @@ async def test_a_second_dispatcher_on_the_same_state_dir_is_refused_naming_the_o
                 argv += ["--replica", NO_REPLICA, "--socket", stack.socket]
                 argv += ["--state-dir", str(state), "--listen", f"127.0.0.1:{free_port()}"]
                 async with spawn(stack, "dispatcher-2", argv) as d2:
-                    assert await d2.wait(30) == 1, d2.output()
+                    assert await d2.wait(30) == 75, d2.output()  # EX_TEMPFAIL
                     while not d2.closed:  # the rest of its output
                         await d2.changed.wait()
                     assert d2.lines == [
-                        f"Error: state dir {state} is in use by another slicer-dispatch "
+                        f"slicer-dispatch: error: state dir {state} is in use by another "
+                        "slicer-dispatch "
                         f"(pid {d.proc.pid}, lock {state / LOCK_NAME}); run one dispatcher "
                         "per state dir"
                     ], d2.output()

@@ -29,7 +29,16 @@ MAY_IMPORT = {
 }
 # What the product may import when a module is loaded (pyproject's `dependencies`); optional
 # extras (torch, matplotlib, vllm) only inside the function that needs them.
-DEPENDENCIES = {"trio", "psutil", "click", "pynvml", "httpx", "starlette"}
+DEPENDENCIES = {
+    "trio",
+    "psutil",
+    "click",
+    "pynvml",
+    "httpx",
+    "starlette",
+    "prometheus_client",
+    "sniffio",
+}
 
 
 def _modules(room: str) -> Iterator[tuple[str, Path]]:

@@ -1,0 +1,100 @@
+"""The dispatcher's ``GET /metrics``: Prometheus exposition by prometheus-client.
+
+One private `CollectorRegistry` per turn loop (never the process-global one: a process
+may run several loops, tests do) holds one collector that reads the loop's figures at
+scrape time (its ``status()`` and counters), so nothing is counted twice and nothing is
+added to the hot path. Every series carries ``pool``; README.md ("Running the
+dispatcher") lists them:
+
+``slicer_dispatch_pending{revision}`` (gauge), ``slicer_dispatch_in_flight`` (gauge),
+``slicer_dispatch_store_damaged`` (gauge), and the counters ``slicer_dispatch_done_total``,
+``failed_total``, ``turns_total``, ``turn_errors_total``, ``loads_total``,
+``load_failures_total``, ``sends_total``, ``batched_samples_total``,
+``send_errors_total``, ``commits_total``, ``expired_total``, ``rejects_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from gpu_slicer.dispatcher.turns import TurnLoop
+
+__all__ = ["CONTENT_TYPE", "DispatchCollector", "registry_for", "render_metrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+PREFIX = "slicer_dispatch_"
+
+_registries: weakref.WeakKeyDictionary[TurnLoop, CollectorRegistry] = weakref.WeakKeyDictionary()
+
+
+class DispatchCollector(Collector):
+    """The loop's figures as metric families, read when scraped."""
+
+    def __init__(self, loop: TurnLoop) -> None:
+        # Weak: the registry lives in a WeakKeyDictionary keyed by this very loop.
+        self._loop = weakref.ref(loop)
+
+    def collect(self) -> Iterator[Metric]:
+        loop = self._loop()
+        if loop is None:
+            return
+        st = loop.status()
+        c = loop.counters
+        pool = st["pool"]
+
+        def family(
+            name: str, kind: str, doc: str, samples: list[tuple[dict[str, str], float]]
+        ) -> Metric:
+            # A counter's family is named without `_total`; its samples carry it.
+            base = name.removesuffix("_total") if kind == "counter" else name
+            m = Metric(PREFIX + base, doc, kind)
+            for labels, value in samples:
+                m.add_sample(PREFIX + name, {"pool": pool, **labels}, float(value))
+            return m
+
+        def one(name: str, kind: str, doc: str, value: float) -> Metric:
+            return family(name, kind, doc, [({}, value)])
+
+        pending = [({"revision": r}, float(n)) for r, n in st["pending"].items()]
+        yield family("pending", "gauge", "Pending sampling requests.", pending or [({}, 0.0)])
+        yield one("in_flight", "gauge", "Requests sent and not answered.", st["in_flight"])
+        yield one("done_total", "counter", "Requests with a result.", st["counts"]["done"])
+        yield one("failed_total", "counter", "Requests failed.", st["counts"]["failed"])
+        yield one("turns_total", "counter", "Turns granted.", c.turns)
+        yield one("turn_errors_total", "counter", "Turns ended by an error.", c.turn_errors)
+        yield one("loads_total", "counter", "Whole weight loads done.", c.loads)
+        yield one("load_failures_total", "counter", "Weight loads that broke.", c.load_failures)
+        yield one("sends_total", "counter", "Requests sent to the replica.", c.sends)
+        yield one(
+            "batched_samples_total", "counter", "Samples sent in a batch of prompts.",
+            c.batched_samples,
+        )  # fmt: skip
+        yield one(
+            "send_errors_total", "counter", "Sends ended by an unexpected error.", c.send_errors
+        )
+        damaged = 1.0 if st["store"]["damaged"] else 0.0
+        yield one("store_damaged", "gauge", "1 while the store's database is damaged.", damaged)
+        yield one("commits_total", "counter", "Results committed.", c.commits)
+        yield one("expired_total", "counter", "Requests failed by deadline.", c.expired)
+        rejects = [({"reason": r}, float(n)) for r, n in sorted(c.rejects.items())]
+        yield family("rejects_total", "counter", "Answers not committed, by reason.", rejects)
+
+
+def registry_for(loop: TurnLoop) -> CollectorRegistry:
+    """The private registry of `loop` (made on first use, gone with the loop)."""
+    reg = _registries.get(loop)
+    if reg is None:
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(DispatchCollector(loop))
+        _registries[loop] = reg
+    return reg
+
+
+def render_metrics(loop: TurnLoop) -> bytes:
+    """The Prometheus text exposition of `loop`'s figures (content type `CONTENT_TYPE`)."""
+    return generate_latest(registry_for(loop))

@@ -1,0 +1,251 @@
+"""slicerd's Prometheus metrics (prometheus-client), served by `slicer.metrics_http`.
+
+Opt-in: config `metrics_listen` (``--metrics-listen HOST:PORT``); off by default (then
+this module, and prometheus-client, are never imported). Each
+daemon has its own `CollectorRegistry` (never the process-global one), and two feeds:
+
+* counters and histograms are fed from the WATCH events the server performs (`event`,
+  hooked as `Server.on_event`): the state machine stays pure, the server decides nothing
+  more than before, and every figure is what a watcher sees;
+* gauges are read at scrape time by a collector: queues, holders, connections and
+  workload states from the state machine; the GPUs' used, workload-resident and foreign
+  bytes from the GPU backend (one census per GPU, shared by scrapes within `READING_TTL`,
+  so a scraper in a loop costs the backend at most one reading per interval).
+
+The series (all names start with ``slicer_``; ``gpu`` is the GPU index) are listed in
+README.md, "Metrics".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from gpu_slicer.slicer import __version__, census
+from gpu_slicer.slicer.model import WState
+
+if TYPE_CHECKING:
+    from gpu_slicer.slicer.server import Server
+
+__all__ = ["READING_TTL", "SlicerMetrics"]
+
+log = logging.getLogger("slicer.metrics")
+
+READING_TTL = 1.0  # seconds a scrape's reading of the GPUs is shared by the next scrapes
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800, 3600)
+MOVE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class SlicerMetrics:
+    """The metrics of one daemon (`server`): its registry, the event feed, rendering."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.registry = CollectorRegistry(auto_describe=False)
+        reg = self.registry
+        self.granted = Counter(
+            "slicer_turns_granted", "Turns granted.", ["gpu", "workload"], registry=reg
+        )
+        self.ended = Counter(
+            "slicer_turns_ended",
+            "Turns ended, by how (released, holder-closed, unregistered).",
+            ["gpu", "workload", "how"],
+            registry=reg,
+        )
+        self.wait = Histogram(
+            "slicer_acquire_wait_seconds",
+            "Time from ACQUIRE to its grant.",
+            ["gpu"],
+            buckets=WAIT_BUCKETS,
+            registry=reg,
+        )
+        self.park = Histogram(
+            "slicer_park_seconds",
+            "Duration of parks that held, by how (checkpoint, cooperative).",
+            ["gpu", "how"],
+            buckets=MOVE_BUCKETS,
+            registry=reg,
+        )
+        self.restore = Histogram(
+            "slicer_restore_seconds",
+            "Duration of restores that held.",
+            ["gpu"],
+            buckets=MOVE_BUCKETS,
+            registry=reg,
+        )
+        self.park_bytes = Counter(
+            "slicer_park_bytes", "Device bytes moved off the GPU by parks.", ["gpu"], registry=reg
+        )
+        self.restore_bytes = Counter(
+            "slicer_restore_bytes", "Device bytes brought back by restores.", ["gpu"], registry=reg
+        )
+        self.parks_failed = Counter(
+            "slicer_parks_failed", "Parks that failed (the workload faulted).", ["gpu"],
+            registry=reg,
+        )  # fmt: skip
+        self.restores_failed = Counter(
+            "slicer_restores_failed", "Restores that failed (the workload faulted).", ["gpu"],
+            registry=reg,
+        )  # fmt: skip
+        self.faults = Counter(
+            "slicer_faults", "Workload faults, by reason.", ["gpu", "reason"], registry=reg
+        )
+        # The park or restore in flight per GPU (its workload, and for a restore the
+        # bytes it brings back): a FAULT of that workload is that move failing.
+        self._moving: dict[int, tuple[str, str, int]] = {}
+        reg.register(_StateCollector(server))
+
+    def event(self, body: dict[str, Any]) -> None:
+        """Count one WATCH event (the server calls this for each one it performs)."""
+        try:
+            self._count(body)
+        except Exception:  # a metric must never cost the daemon an effect
+            log.exception("counting event %r failed", body.get("event"))
+
+    def _count(self, body: dict[str, Any]) -> None:
+        kind, name, index = body.get("event"), str(body.get("workload")), body.get("gpu")
+        if not isinstance(index, int):
+            return
+        gpu = str(index)
+        match kind:
+            case "granted":
+                self.granted.labels(gpu, name).inc()
+                self.wait.labels(gpu).observe(int(body.get("waited_ms", 0)) / 1000)
+            case "released":
+                self.ended.labels(gpu, name, str(body.get("how"))).inc()
+            case "parking":
+                self._moving[index] = ("park", name, 0)
+            case "restoring":
+                self._moving[index] = ("restore", name, self._parked_bytes(name))
+            case "parked":
+                self._moving.pop(index, None)
+                how = str(body.get("how", "checkpoint"))
+                self.park.labels(gpu, how).observe(int(body.get("park_ms", 0)) / 1000)
+                self.park_bytes.labels(gpu).inc(max(0, int(body.get("bytes", 0))))
+            case "restored":
+                moving = self._moving.pop(index, None)
+                self.restore.labels(gpu).observe(int(body.get("restore_ms", 0)) / 1000)
+                if moving is not None and moving[:2] == ("restore", name):
+                    self.restore_bytes.labels(gpu).inc(moving[2])
+            case "park-deferred" | "recovered":
+                self._moving.pop(index, None)
+            case "fault":
+                self.faults.labels(gpu, str(body.get("reason"))).inc()
+                moving = self._moving.get(index)
+                if moving is not None and moving[1] == name:
+                    del self._moving[index]
+                    failed = self.parks_failed if moving[0] == "park" else self.restores_failed
+                    failed.labels(gpu).inc()
+
+    def _parked_bytes(self, name: str) -> int:
+        w = self.server.sm.registered.get(name)
+        return w.parked_bytes if w is not None else 0
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text of every series now, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _StateCollector(Collector):
+    """Gauges read from the state machine and the GPU backend at scrape time."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self._totals: dict[int, int] | None = None
+        self._reading: tuple[float, dict[int, tuple[int, int, int, int]]] = (-READING_TTL, {})
+
+    def collect(self) -> Iterator[Metric]:
+        server, sm = self.server, self.server.sm
+        info = GaugeMetricFamily("slicer_info", "The daemon's version.", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+        queue = GaugeMetricFamily(
+            "slicer_queue_length", "Connections waiting for a turn (ACQUIRE).", labels=["gpu"]
+        )
+        held = GaugeMetricFamily("slicer_turn_held", "1 while a turn is held.", labels=["gpu"])
+        busy = GaugeMetricFamily(
+            "slicer_gpu_operation", "1 while a park, restore, verify or recovery runs.",
+            labels=["gpu"],
+        )  # fmt: skip
+        for index, gpu in sorted(sm.gpus.items()):
+            queue.add_metric([str(index)], len(gpu.queue))
+            held.add_metric([str(index)], 0 if gpu.holder is None else 1)
+            busy.add_metric([str(index)], 0 if gpu.op is None else 1)
+        yield from (queue, held, busy)
+        states = {s: 0 for s in WState}
+        for w in sm.workloads():
+            states[w.state] += 1
+        by_state = GaugeMetricFamily(
+            "slicer_workloads", "Workloads (registered or still tracked), by state.",
+            labels=["state"],
+        )  # fmt: skip
+        for s, n in states.items():
+            by_state.add_metric([str(s)], n)
+        yield by_state
+        yield GaugeMetricFamily(
+            "slicer_connections", "Client connections open.", value=len(server.conns)
+        )
+        yield GaugeMetricFamily(
+            "slicer_journal_ok", "1 while the journal is written.",
+            value=1 if server.journal_error is None else 0,
+        )  # fmt: skip
+        yield from self._bytes()
+
+    def _bytes(self) -> Iterator[Metric]:
+        used = GaugeMetricFamily(
+            "slicer_gpu_used_bytes", "Device memory in use (any process).", labels=["gpu"]
+        )
+        total = GaugeMetricFamily("slicer_gpu_total_bytes", "Device memory.", labels=["gpu"])
+        resident = GaugeMetricFamily(
+            "slicer_gpu_resident_bytes", "Device memory held by workloads' processes.",
+            labels=["gpu"],
+        )  # fmt: skip
+        foreign = GaugeMetricFamily(
+            "slicer_gpu_foreign_bytes", "Device memory held by processes of no workload.",
+            labels=["gpu"],
+        )  # fmt: skip
+        for index, (cap, in_use, res, alien) in sorted(self._read().items()):
+            gpu = [str(index)]
+            total.add_metric(gpu, cap)
+            used.add_metric(gpu, in_use)
+            resident.add_metric(gpu, res)
+            foreign.add_metric(gpu, alien)
+        yield from (total, used, resident, foreign)
+
+    def _read(self) -> dict[int, tuple[int, int, int, int]]:
+        # Per GPU: (capacity, used, workload-resident, foreign) bytes. A GPU the backend
+        # cannot read is left out of this scrape (its series are absent, not zero).
+        at, cached = self._reading
+        now = time.monotonic()
+        if now - at < READING_TTL:
+            return cached
+        server = self.server
+        if self._totals is None:
+            try:
+                self._totals = {d.index: d.total for d in server.backend.devices()}
+            except Exception as e:
+                log.warning("metrics: cannot list the GPUs: %s", e)
+                return {}
+        roots: dict[int, list[census.Root]] = {}
+        for w in server.sm.workloads():
+            root = census.Root(w.wid, w.pid, int(w.start_time), w.tree)
+            roots.setdefault(w.gpu, []).append(root)
+        out: dict[int, tuple[int, int, int, int]] = {}
+        for index, cap in self._totals.items():
+            try:
+                seen = server.backend.processes(index)
+                taken = census.take(seen, roots.get(index, []), server.host.ancestry)
+                free = server.backend.free_bytes(index)
+            except Exception as e:
+                log.debug("metrics: cannot read GPU %d: %s", index, e)
+                continue
+            res, alien = sum(taken.bytes_by_wid.values()), sum(taken.foreign.values())
+            out[index] = (cap, cap - free, res, alien)
+        self._reading = (now, out)
+        return out

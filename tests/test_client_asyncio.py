@@ -1,0 +1,406 @@
+"""The asyncio client (`AsyncioSlicer`) against the real slicerd on the fake GPU, beside the
+trio one (`AsyncSlicer`) running the very same trainer loop.
+
+The harness is trio (pytest-trio); the asyncio side is a plain ``asyncio.run`` in a worker
+thread (`in_asyncio`), bounded by `asyncio.timeout` there and by `trio.fail_after` here. It
+reaches back into the test's trio loop (STATUS waits, the other workload's calls) through
+`OnTrio`. Nothing sleeps to wait: every wait is a reply, a WATCH event or an event object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import signal
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import trio
+
+from gpu_slicer import proto
+from gpu_slicer.slicer.client import (
+    AsyncioSlicer,
+    AsyncSlicer,
+    Faulted,
+    Turn,
+    Unreachable,
+    connect_async,
+)
+from stubs.fakegpu import Ledger
+from tests.harness import GiB, Stack, running_stack
+
+T = TypeVar("T")
+WAIT = 20.0  # every ACQUIRE's own bound (seconds)
+STEPS = 3
+WORKING_SET = 30 * GiB  # two of them resident at once on one 80 GiB GPU is an overlap
+
+
+async def in_asyncio(main: Callable[[], Coroutine[Any, Any, T]], bound: float = 60) -> T:
+    """`main()` under a fresh asyncio loop in a worker thread, bounded there by `bound` s."""
+
+    async def bounded() -> T:
+        async with asyncio.timeout(bound):
+            return await main()
+
+    return await trio.to_thread.run_sync(lambda: asyncio.run(bounded()), abandon_on_cancel=True)
+
+
+class OnTrio:
+    """Awaitable calls, from the asyncio thread, of async functions on the test's trio loop."""
+
+    def __init__(self) -> None:
+        self.token = trio.lowlevel.current_trio_token()
+
+    def __call__(self, fn: Callable[..., Awaitable[T]], *args: Any) -> asyncio.Future[T]:
+        run = functools.partial(trio.from_thread.run, fn, *args, trio_token=self.token)
+        return asyncio.get_running_loop().run_in_executor(None, run)
+
+
+def queue_is(names: list[str]) -> Callable[[dict[str, Any]], bool]:
+    return lambda st: st["gpus"][0]["queue"] == names
+
+
+def holder(st: dict[str, Any]) -> dict[str, Any] | None:
+    h = st["gpus"][0]["holder"]
+    return h if isinstance(h, dict) else None
+
+
+def holder_is(name: str | None) -> Callable[[dict[str, Any]], bool]:
+    return lambda st: (holder(st) or {}).get("workload") == name
+
+
+async def trainer(socket: str, name: str, pid: int, ledger_dir: str, steps: int) -> list[Turn]:
+    """A cooperative trainer loop written once for both loops: it registers, then takes
+    `steps` turns with its working set on the fake GPU inside each (freed before the turn
+    ends); `connect_async` picks the client of whichever loop runs it."""
+    ledger = Ledger(ledger_dir)
+    turns: list[Turn] = []
+    async with await connect_async(socket, name) as s:
+        await s.register(pid=pid, park="cooperative")
+        for _ in range(steps):
+            async with s.turn(wait=WAIT) as t:
+                ledger.alloc(pid, 0, WORKING_SET, tag="weights", workload=name)
+                turns.append(t)  # the "training step"
+                ledger.free(pid)
+        await s.unregister()
+    return turns
+
+
+def test_the_asyncio_client_has_the_trio_client_s_calls() -> None:
+    calls = ["connect", "from_env", "aclose", "__aenter__", "__aexit__", "request"]
+    calls += ["next_message", "ping", "register", "acquire", "release", "parked"]
+    calls += ["unregister", "status", "watch", "turn"]
+    for name in calls:
+        trio_, asyncio_ = getattr(AsyncSlicer, name), getattr(AsyncioSlicer, name)
+        assert inspect.signature(trio_).parameters == inspect.signature(asyncio_).parameters
+        assert inspect.iscoroutinefunction(trio_) == inspect.iscoroutinefunction(asyncio_)
+    assert AsyncioSlicer.workload is AsyncSlicer.workload  # events, on_event: one SessionView
+
+
+def test_connect_to_no_daemon_is_unreachable() -> None:
+    async def main() -> None:
+        with pytest.raises(Unreachable) as e:
+            await AsyncioSlicer.connect("/nonexistent/slicer.sock", "w", timeout=5)
+        assert "/nonexistent/slicer.sock" in e.value.text
+
+    asyncio.run(main())
+
+
+GRANT4 = b"OK turn=4 restored=0 waited_ms=0\n"
+RELEASED = b"OK parked=0 park_ms=0\n"
+
+
+def test_a_turn_cancelled_twice_still_waits_for_its_release(tmp_path: Path) -> None:
+    """As trio shields it: the RELEASE ending a cancelled turn is waited for even when the
+    task is cancelled again meanwhile, and its reply is its own (the connection in step)."""
+    path = str(tmp_path / "s.sock")
+
+    async def main() -> list[bytes]:
+        seen: list[bytes] = []
+        asked, answer = asyncio.Event(), asyncio.Event()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while line := await reader.readline():
+                seen.append(line)
+                if line.startswith(b"RELEASE"):
+                    asked.set()
+                    await answer.wait()
+                writer.write(GRANT4 if line.startswith(b"ACQUIRE") else RELEASED)
+            writer.close()
+
+        server = await asyncio.start_unix_server(serve, path)
+        async with server, await AsyncioSlicer.connect(path, "w") as s:
+            inside = asyncio.Event()
+
+            async def body() -> None:
+                async with s.turn():
+                    inside.set()
+                    await asyncio.Event().wait()  # until cancelled
+
+            task = asyncio.create_task(body())
+            await inside.wait()
+            task.cancel()
+            await asyncio.wait_for(asked.wait(), WAIT)
+            task.cancel()  # again, while the RELEASE waits for its reply
+            await asyncio.sleep(0)  # one loop pass: the task has taken that cancellation
+            assert not task.done()
+            answer.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await s.ping()  # RELEASED here is the PING's reply (any OK): in step
+        return seen
+
+    assert asyncio.run(main()) == [b"ACQUIRE w\n", b"RELEASE w turn=4\n", b"PING\n"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+async def test_two_trainers_take_their_turns_in_turn(loop: str) -> None:
+    """Two trainer loops contend for GPU 0, both under asyncio (AsyncioSlicer) or both under
+    trio (AsyncSlicer): each gets all its turns, and the ledger never saw both working sets
+    resident at once."""
+    with trio.fail_after(90):
+        async with running_stack() as stack:
+            pids = {"ta": stack.sleeper(), "tb": stack.sleeper()}
+            run = functools.partial(trainer, stack.socket, ledger_dir=str(stack.ledger.directory))
+            got: dict[str, list[Turn]] = {}
+            if loop == "asyncio":
+
+                async def both() -> list[list[Turn]]:
+                    return list(
+                        await asyncio.gather(*(run(n, pid=p, steps=STEPS) for n, p in pids.items()))
+                    )
+
+                got = dict(zip(pids, await in_asyncio(both), strict=True))
+            else:
+
+                async def one(name: str) -> None:
+                    got[name] = await run(name, pid=pids[name], steps=STEPS)
+
+                async with trio.open_nursery() as n:
+                    for name in pids:
+                        n.start_soon(one, name)
+            for name, turns in got.items():
+                assert [t.workload for t in turns] == [name] * STEPS
+                assert [t.turn for t in turns] == sorted({t.turn for t in turns})
+            every = [t.turn for turns in got.values() for t in turns]
+            assert len(set(every)) == 2 * STEPS  # one holder per turn number
+            st = await stack.status()
+            assert holder(st) is None and st["gpus"][0]["queue"] == []  # all released
+            assert stack.ledger.processes(0) == []
+            assert stack.overlaps() == 0
+
+
+async def _holding(stack: Stack, name: str) -> tuple[AsyncSlicer, Turn]:
+    """A trio client registered as `name` and holding GPU 0."""
+    h = await stack.client()
+    await h.register(name, pid=stack.sleeper(), park="cooperative")
+    return h, await h.acquire(wait=WAIT)
+
+
+@pytest.mark.integration
+async def test_a_timed_out_acquire_s_late_grant_is_released_and_the_connection_in_step() -> None:
+    with trio.fail_after(60):
+        async with running_stack() as stack:
+            h, held = await _holding(stack, "h")
+            pid, on_trio = stack.sleeper(), OnTrio()
+
+            async def main() -> tuple[int, Turn]:
+                async with await AsyncioSlicer.connect(stack.socket, "c") as c:
+                    await c.register(pid=pid, park="cooperative")
+                    with pytest.raises(TimeoutError):
+                        await c.request(proto.Acquire("c"), timeout=0.2)
+                    await on_trio(stack.until, queue_is(["c"]))  # still asked, by nobody
+                    await on_trio(h.release, held)
+                    st = await on_trio(stack.until, holder_is("c"))
+                    late = holder(st)["turn"]  # type: ignore[index]
+                    # Reads the late grant (released at once), then its own grant: not busy.
+                    async with c.turn(wait=WAIT) as t:
+                        st = await on_trio(stack.status)
+                        assert holder(st) == {"workload": "c", "turn": t.turn}
+                    await c.ping()  # its own reply, not the RELEASE's
+                    assert not [m for m in c.events if not isinstance(m, proto.Waiting)]
+                    return late, t
+
+            late, t = await in_asyncio(main)
+            assert t.workload == "c" and t.turn > late
+            assert holder(await stack.status()) is None
+            await h.aclose()
+            assert stack.overlaps() == 0
+
+
+@pytest.mark.integration
+async def test_cancelled_tasks_abandon_their_acquire_and_release_their_turn() -> None:
+    with trio.fail_after(60):
+        async with running_stack() as stack:
+            h, held = await _holding(stack, "h")
+            pid, on_trio = stack.sleeper(), OnTrio()
+
+            async def main() -> None:
+                async with await AsyncioSlicer.connect(stack.socket, "c") as c:
+                    await c.register(pid=pid, park="cooperative")
+                    waiting = asyncio.create_task(c.acquire(wait=WAIT))
+                    await on_trio(stack.until, queue_is(["c"]))
+                    waiting.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await waiting
+                    await on_trio(h.release, held)
+                    await on_trio(stack.until, holder_is("c"))  # the abandoned grant
+                    await c.ping()  # reads it; its RELEASE goes out
+                    await on_trio(stack.until, holder_is(None))
+                    # A task cancelled inside its turn still releases it (shielded).
+                    inside = asyncio.Event()
+
+                    async def body() -> None:
+                        async with c.turn(wait=WAIT):
+                            inside.set()
+                            await asyncio.Event().wait()  # until cancelled
+
+                    task = asyncio.create_task(body())
+                    await inside.wait()
+                    task.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                    st = await on_trio(stack.status)
+                    assert holder(st) is None  # released before the cancellation went on
+                    # And an asyncio.timeout around the turn is the loop's TimeoutError.
+                    with pytest.raises(TimeoutError):
+                        async with asyncio.timeout(0.1), c.turn(wait=WAIT):
+                            await asyncio.Event().wait()
+                    assert holder(await on_trio(stack.status)) is None
+
+            await in_asyncio(main)
+            await h.aclose()
+            assert stack.overlaps() == 0
+
+
+@pytest.mark.integration
+async def test_tasks_sharing_one_connection_each_get_their_own_replies() -> None:
+    """Several tasks on one connection. While one waits for a turn behind another workload,
+    a second task's STATUS and PING queue behind that ACQUIRE (slicerd answers in order)
+    and return with their own replies once it is granted, whichever task read them; while
+    the turn is held, a third task reads the WAITING line another workload's ACQUIRE sends
+    the holder, between the replies of a fourth task's STATUS calls."""
+    with trio.fail_after(60):
+        async with running_stack() as stack:
+            h, held = await _holding(stack, "h")
+            pid, on_trio = stack.sleeper(), OnTrio()
+            h_turns: list[Turn] = []
+
+            async with trio.open_nursery() as n:
+
+                async def h_waits() -> None:
+                    async def take() -> None:
+                        h_turns.append(await h.acquire(wait=WAIT))
+
+                    n.start_soon(take)
+
+                async def main() -> tuple[Turn, list[Any]]:
+                    async with await AsyncioSlicer.connect(stack.socket, "c") as c:
+                        await c.register(pid=pid, park="cooperative")
+                        granted, go = asyncio.Event(), asyncio.Event()
+                        turns: list[Turn] = []
+
+                        async def take_turn() -> None:
+                            async with c.turn(wait=WAIT) as t:
+                                turns.append(t)
+                                granted.set()
+                                await go.wait()
+
+                        taker = asyncio.create_task(take_turn())
+                        await on_trio(stack.until, queue_is(["c"]))
+                        behind = asyncio.gather(c.status(), c.ping())
+                        await on_trio(h.release, held)
+                        first = await behind  # answered after the grant, each its own
+                        assert granted.is_set()
+                        hint = asyncio.create_task(c.next_message(timeout=WAIT))
+                        await on_trio(h_waits)
+                        await on_trio(stack.until, queue_is(["h"]))
+                        # the WAITING was sent before the queue showed h: one of these
+                        # STATUS calls or `hint` itself reads it
+                        for st in await asyncio.gather(c.status(), c.status()):
+                            assert holder_is("c")(st) and st["gpus"][0]["queue"] == ["h"]
+                        msg = await hint
+                        assert isinstance(msg, proto.Waiting) and msg.workload == "c"
+                        assert msg.turn == turns[0].turn and msg.waiters == 1
+                        go.set()
+                        await taker
+                        await c.ping()
+                        return turns[0], first
+
+                t, (st, pong) = await in_asyncio(main)
+            assert t.workload == "c" and pong is None
+            assert holder(st) == {"workload": "c", "turn": t.turn} and st["gpus"][0]["queue"] == []
+            assert [x.workload for x in h_turns] == ["h"] and h_turns[0].turn > t.turn
+            await h.release(h_turns[0])
+            await h.aclose()
+            assert stack.overlaps() == 0
+
+
+@pytest.mark.integration
+async def test_the_daemon_going_away_is_unreachable() -> None:
+    with trio.fail_after(60):
+        async with running_stack() as stack:
+            h, _ = await _holding(stack, "h")
+            pid, on_trio = stack.sleeper(), OnTrio()
+
+            async def main() -> None:
+                async with await AsyncioSlicer.connect(stack.socket, "c") as c:
+                    await c.register(pid=pid, park="cooperative")
+                    waiting = asyncio.create_task(c.acquire(wait=WAIT))
+                    await on_trio(stack.until, queue_is(["c"]))
+                    await on_trio(stack.stop, signal.SIGKILL)
+                    with pytest.raises(Unreachable):
+                        await waiting
+                    with pytest.raises(Unreachable):
+                        await c.ping()  # the session stays failed
+                with pytest.raises(Unreachable):
+                    await AsyncioSlicer.connect(stack.socket, "c", timeout=5)
+
+            await in_asyncio(main)
+            await h.aclose()
+            assert stack.overlaps() == 0
+
+
+@pytest.mark.integration
+async def test_a_fault_of_the_trainer_s_park_raises_faulted() -> None:
+    """A cooperative trainer ends its turn with its working set still on the GPU while
+    another workload waits: the park fails, and the release at the end of `turn` raises
+    `Faulted` (the FAULT reached this connection, the registrant's, before the reply)."""
+    with trio.fail_after(60):
+        async with running_stack("--fault-kill-after", "1") as stack:
+            pid, on_trio = stack.sleeper(), OnTrio()
+            ledger_dir = str(stack.ledger.directory)
+            w = await stack.client()
+            await w.register("w", pid=stack.sleeper(), park="cooperative")
+            w_turns: list[Turn] = []
+
+            async with trio.open_nursery() as n:
+
+                async def w_waits() -> None:
+                    async def take() -> None:
+                        w_turns.append(await w.acquire(wait=WAIT))
+
+                    n.start_soon(take)
+                    await stack.until(queue_is(["w"]))
+
+                async def main() -> proto.Fault:
+                    ledger = Ledger(ledger_dir)
+                    async with await AsyncioSlicer.connect(stack.socket, "c") as c:
+                        await c.register(pid=pid, park="cooperative")
+                        with pytest.raises(Faulted) as e:
+                            async with c.turn(wait=WAIT):
+                                ledger.alloc(pid, 0, WORKING_SET, tag="weights", workload="c")
+                                await on_trio(w_waits)
+                            # ends the turn without freeing: the park cannot hold
+                        return e.value.fault
+
+                fault = await in_asyncio(main)
+            assert (fault.workload, fault.reason) == ("c", "still-resident")
+            assert [t.workload for t in w_turns] == ["w"]  # after c's process was killed
+            await w.release(w_turns[0])
+            await w.aclose()
+            assert stack.overlaps() == 0
