@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_slicer.dispatcher.errors import BadRequest
+from gpu_slicer.dispatcher.errors import BadRequest, quoted
 from gpu_slicer.dispatcher.model import WEIGHT_CHECKS, Pending
 
 __all__ = [
@@ -120,14 +120,17 @@ def parse_model(model: str) -> tuple[str, str | None]:
     if not at:
         return model, None
     if not rev:
-        raise BadRequest(f"model {model!r} ends with '@' but names no revision after it")
+        raise BadRequest(
+            f"model {quoted(model, 200)} ends with '@' but names no revision after it",
+            param="model",
+        )
     return name, rev
 
 
 def _parse_prompt(prompt: object, max_tokens: int, max_bytes: int) -> array.array[int] | bytes:
-    # A batch of one ([str] or [[int]]) is unwrapped; a real batch would need one
-    # result per prompt, which a sample id cannot carry.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+    # A batch of one ([str] or [[int, ...]]) is unwrapped; a real batch would need one
+    # result per prompt, which a sample id cannot carry. [["a"]] is no prompt at all.
+    if isinstance(prompt, list) and len(prompt) == 1 and _one_prompt(prompt[0]):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
@@ -147,15 +150,30 @@ def _parse_prompt(prompt: object, max_tokens: int, max_bytes: int) -> array.arra
     # The type scan runs in C (map/set); the per-item searches only name the culprit.
     types = set(map(type, prompt))
     if str in types or list in types:
-        raise BadRequest(f"prompt is a batch of {len(prompt)} prompts; send one request per prompt")
+        bad = next(
+            (i for i, x in enumerate(prompt) if isinstance(x, list) and not _one_prompt(x)), None
+        )
+        if bad is not None:
+            raise BadRequest(
+                f"prompt[{bad}] must be a string or a list of token ids, got {quoted(prompt[bad])}"
+            )
+        raise BadRequest(
+            f"prompt is a batch of {len(prompt)} prompts where a sample has one: send them "
+            "as one POST /v1/completions (a prompt list) or POST /v1/samples/batch"
+        )
     if len(prompt) > max_tokens:
         raise BadRequest(f"prompt has {len(prompt)} tokens, more than the limit of {max_tokens}")
     if types != {int}:
         bad = next(i for i, t in enumerate(prompt) if not _is_int(t))
-        raise BadRequest(f"prompt[{bad}] must be an integer token id, got {prompt[bad]!r:.50}")
+        raise BadRequest(f"prompt[{bad}] must be an integer token id, got {quoted(prompt[bad])}")
     if min(prompt) < 0 or max(prompt) > _MAX_TOKEN_ID:
         raise BadRequest(f"prompt token ids must be in 0..{_MAX_TOKEN_ID}")
     return array.array("i", prompt)
+
+
+def _one_prompt(x: object) -> bool:
+    """Whether ``x`` is one prompt's shape: a string or a list of integers (checked in C)."""
+    return isinstance(x, str) or (isinstance(x, list) and set(map(type, x)) <= {int})
 
 
 def _parse_messages(messages: object, max_bytes: int) -> bytes:
@@ -240,19 +258,19 @@ def _check_params(kind: str, body: dict[str, Any]) -> None:
     for field in ("max_tokens", "max_completion_tokens"):
         v = body.get(field)
         if v is not None and not (_is_int(v) and v >= 1):
-            raise BadRequest(f"{field} must be a positive integer, got {v!r:.50}")
+            raise BadRequest(f"{field} must be a positive integer, got {quoted(v)}")
     n = body.get("n")
     if n is not None and not (_is_int(n) and 1 <= n <= MAX_N):
-        raise BadRequest(f"n must be an integer from 1 to {MAX_N}, got {n!r:.50}")
+        raise BadRequest(f"n must be an integer from 1 to {MAX_N}, got {quoted(n)}")
     t = body.get("temperature")
     if t is not None and not (_is_number(t) and t >= 0):
-        raise BadRequest(f"temperature must be a number >= 0, got {t!r:.50}")
+        raise BadRequest(f"temperature must be a number >= 0, got {quoted(t)}")
     p = body.get("top_p")
     if p is not None and not (_is_number(p) and 0 < p <= 1):
-        raise BadRequest(f"top_p must be a number in (0, 1], got {p!r:.50}")
+        raise BadRequest(f"top_p must be a number in (0, 1], got {quoted(p)}")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
-        raise BadRequest(f"seed must be an integer, got {seed!r:.50}")
+        raise BadRequest(f"seed must be an integer, got {quoted(seed)}")
     stop = body.get("stop")
     if stop is not None and not (
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
@@ -260,13 +278,13 @@ def _check_params(kind: str, body: dict[str, Any]) -> None:
         raise BadRequest("stop must be a string or a list of strings")
     for field in ("stream", "return_weight_versions"):
         if field in body and not isinstance(body[field], bool):
-            raise BadRequest(f"{field} must be true or false, got {body[field]!r:.50}")
+            raise BadRequest(f"{field} must be true or false, got {quoted(body[field])}")
     for field in ("model", "revision"):
         if body.get(field) is not None and not isinstance(body[field], str):
             raise BadRequest(f"{field} must be a string, got {type(body[field]).__name__}")
     other = "messages" if kind == "completion" else "prompt"
     if other in body:
-        raise BadRequest(f"{other!r} is not a field of a {kind} request")
+        raise BadRequest(f"{other!r} is not a field of a {kind} request", param=other)
 
 
 def parse_body(
@@ -280,7 +298,7 @@ def parse_body(
     ``revision`` and ``return_weight_versions`` (the dispatcher sets those itself).
     """
     if kind not in KINDS:
-        raise BadRequest(f"kind must be one of {KINDS}, got {kind!r:.50}")
+        raise BadRequest(f"kind must be one of {KINDS}, got {quoted(kind)}")
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     bad = lone_surrogate(body)

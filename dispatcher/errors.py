@@ -20,7 +20,18 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "UnknownRevision",
+    "quoted",
 ]
+
+
+def quoted(value: object, limit: int = 50) -> str:
+    """``repr(value)`` for an error message, at most about ``limit`` characters of it:
+    a long string is cut *before* quoting (so its quotes stay balanced) and marked with
+    ``...`` after the closing quote."""
+    if isinstance(value, str):
+        return repr(value[:limit]) + ("..." if len(value) > limit else "")
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class DispatchError(Exception):
@@ -62,8 +73,10 @@ class ReplicaError(DispatchError):
     (timeout, connection refused, malformed body).
     """
 
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, status: int | None = None, *, param: str | None = None
+    ) -> None:
+        super().__init__(message, param=param)
         self.status = status
 
 

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-The dispatcher depends on five things; each is one :class:`Check`, known to be ok, known
+The dispatcher depends on six things; each is one :class:`Check`, known to be ok, known
 to be failing (with a sentence saying how), or not known yet:
 
 ==============  ==============================================================  ======
@@ -12,6 +12,7 @@ check           failing says                                                    
 ``daemon``      ``daemon unreachable (SOCKET: ...)``                            needed
 ``workload``    ``workload W is not registered with slicerd (...)``             needed
 ``replica``     ``replica unhealthy (URL: ...)``                                needed
+``weights``     ``replica serves weights other than REV (...)``                 needed
 ``load``        ``last load error (revision R: ...)``                           no
 ==============  ==============================================================  ======
 
@@ -19,23 +20,32 @@ check           failing says                                                    
 dead daemon hides the registration behind it; a load error matters least) with the
 wall-clock time it began and how long it has lasted: ``GET /status``'s ``problem``
 (:meth:`Health.problem_json`, null when none). A check that keeps failing keeps its
-``since``; it clears as soon as the thing works again. Every change of the problem is
-logged (a warning when one starts, info when it clears) and handed to ``on_change``
-(the turn loop publishes it as the ``problem`` event of ``GET /v1/events``).
+``since``; it clears as soon as the thing works again. Each check has one sentence per
+failure, whoever found it (a probe or the turn loop), so a lasting problem keeps its words
+and does not flap between two wordings. Every change of the problem is logged (a
+warning when one starts, info when it clears) and handed to ``on_change`` (the turn loop
+publishes it as the ``problem`` event of ``GET /v1/events``).
 
 *Ready* (``GET /ready``, :func:`ready_endpoint`) means every check marked "needed" is
 known to be ok: the store takes writes, the last contact with slicerd worked, slicerd
-knows the workload, and the replica answers ``/health``. Anything else is 503 with the
-reason: the problem, or which check has not been made yet.
+knows the workload, the replica answers ``/health``, and it serves the weights the
+dispatcher loaded. Anything else is 503 with the reason: the problem, or which check has
+not been made yet.
+
+``weights`` fails when the replica at the URL is not the one the dispatcher loaded: its
+``GET /weight_info`` label is not the revision loaded (read by the probe between turns and
+by the turn loop after each wake), or ``sending.MAX_WEIGHT_REFUSALS`` results in a row of
+a turn carried other weights. That is what a replica restarted by its launcher looks like
+(same URL, a new process, the boot weights). The loaded version is then forgotten
+(:meth:`Replica.forget <dispatcher.vllm.Replica.forget>`), the turn (if one is held) ends
+as a replica error, and the next turn recovers the replica and loads the wanted revision
+whole; the check clears once a load succeeded, or once nothing is pending any more.
 
 Who feeds it: the turn loop (:mod:`dispatcher.turns`) reports what each turn learns
 (connect, ACQUIRE, recover and wake, a replica failure while serving) and derives the
 store's and the loads' checks from :meth:`Store.health <dispatcher.store.Store.health>`
-and the load backoff; between turns :func:`probe` asks slicerd (one STATUS over a
-connection of its own: reachable, and is the workload registered?) and the replica
-(``GET /health``), every ``PROBE_INTERVAL_S`` while all is well and sooner (from
-``PROBE_RETRY_MIN_S``, doubling) while something fails. Every probe is bounded by
-``PROBE_TIMEOUT_S``; nothing here waits unbounded or starts a task of its own.
+and the load backoff; the probes (:mod:`dispatcher.probe`) ask slicerd and the replica
+themselves, so an idle dispatcher knows too.
 """
 
 from __future__ import annotations
@@ -52,32 +62,29 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gpu_slicer import proto
-from gpu_slicer.slicer.client import AsyncSlicer, ClientError
+from gpu_slicer.dispatcher.core import parse_model
+from gpu_slicer.dispatcher.errors import BadRequest, quoted
+from gpu_slicer.dispatcher.oai import error_body
+from gpu_slicer.dispatcher.store import REVISION_RE
+from gpu_slicer.slicer.client import ClientError
 
 __all__ = [
-    "PROBE_INTERVAL_S",
-    "PROBE_RETRY_MIN_S",
-    "PROBE_TIMEOUT_S",
     "READY_CHECKS",
     "Check",
     "Health",
     "Problem",
     "daemon_unreachable",
+    "foreign_weights",
     "note_loads",
     "note_store",
-    "probe",
     "problem_fields",
     "ready_endpoint",
+    "ready_revision",
     "replica_unhealthy",
     "workload_unknown",
 ]
 
 log = logging.getLogger("dispatcher.health")
-
-PROBE_INTERVAL_S = 5.0  # between probes while every check is ok
-PROBE_RETRY_MIN_S = 0.5  # the first retry after a probe found a problem (doubling)
-PROBE_TIMEOUT_S = 5.0  # one probe of slicerd or of the replica, as a whole
 
 
 class Check(StrEnum):
@@ -87,16 +94,18 @@ class Check(StrEnum):
     DAEMON = "daemon"
     WORKLOAD = "workload"
     REPLICA = "replica"
+    WEIGHTS = "weights"
     LOAD = "load"
 
 
 #: The checks ``GET /ready`` needs known to be ok.
-READY_CHECKS = (Check.STORE, Check.DAEMON, Check.WORKLOAD, Check.REPLICA)
+READY_CHECKS = (Check.STORE, Check.DAEMON, Check.WORKLOAD, Check.REPLICA, Check.WEIGHTS)
 _NOT_CHECKED = {
     Check.STORE: "the store has not been checked yet",
     Check.DAEMON: "slicerd has not been contacted yet",
     Check.WORKLOAD: "the workload's registration with slicerd has not been checked yet",
     Check.REPLICA: "the replica's health has not been checked yet",
+    Check.WEIGHTS: "the replica's weights have not been checked yet",
     Check.LOAD: "no load has been tried yet",
 }
 
@@ -124,11 +133,22 @@ def daemon_unreachable(socket: str, error: BaseException) -> str:
     return f"daemon unreachable ({socket}: {text}); is slicerd running? (--socket / $SLICER_SOCKET)"
 
 
-def workload_unknown(workload: str, how: str) -> str:
-    """The problem's words for a ``workload`` slicerd does not know (``how`` it said so)."""
+def workload_unknown(workload: str) -> str:
+    """The problem's words for a ``workload`` slicerd does not know (one sentence whether
+    a STATUS or an ACQUIRE said so: the problem must not flap between two wordings)."""
     return (
-        f"workload {workload} is not registered with slicerd ({how}); start its launcher "
-        f"(slicer-launch vllm --workload {workload} ...) or fix --workload"
+        f"workload {workload} is not registered with slicerd (slicerd answers "
+        f"unknown-workload); start its launcher (slicer-launch vllm --workload {workload} "
+        f"...) or fix --workload"
+    )
+
+
+def foreign_weights(url: str, wanted: str) -> str:
+    """The problem's words for the replica at ``url`` serving weights other than the
+    revision ``wanted`` that the dispatcher loaded (one sentence, whoever noticed)."""
+    return (
+        f"replica serves weights other than {wanted} ({url}: a new replica process, or "
+        f"weights loaded by someone else); recovering it and loading {wanted} again"
     )
 
 
@@ -159,6 +179,7 @@ class Health:
         self._ok: dict[Check, bool | None] = {c: None for c in Check}
         self._ok[Check.STORE] = True  # the store was opened (its schema written) before us
         self._ok[Check.LOAD] = True
+        self._ok[Check.WEIGHTS] = True  # nothing loaded yet: nothing served other weights
         self._failing: dict[Check, Problem] = {}
         self._current: Problem | None = None
 
@@ -264,84 +285,6 @@ def note_loads(health: Health, backoff: dict[str, dict[str, Any]], pending: set[
     health.fail(Check.LOAD, f"last load error (revision {rev}: {failed[rev]['error']})")
 
 
-# -- probes between turns ------------------------------------------------------------
-
-
-async def probe_daemon(
-    health: Health, connect: Callable[[], Awaitable[AsyncSlicer]], socket: str, workload: str
-) -> None:
-    """One STATUS over a new slicerd connection (bounded by ``PROBE_TIMEOUT_S``): is
-    slicerd reachable, and does it know ``workload``?"""
-    try:
-        with trio.fail_after(PROBE_TIMEOUT_S):
-            slicer = await connect()
-            try:
-                st = await slicer.status()
-            finally:
-                with trio.CancelScope(shield=True):
-                    await slicer.aclose()
-    except ClientError as e:
-        if e.code != "unreachable":  # it answered, if only with a refusal: reachable
-            health.ok(Check.DAEMON)
-            return
-        health.forget(Check.WORKLOAD)
-        health.fail(Check.DAEMON, daemon_unreachable(socket, e))
-        return
-    except (OSError, trio.TooSlowError, proto.ProtocolError) as e:
-        health.forget(Check.WORKLOAD)
-        why = "no answer to STATUS" if isinstance(e, trio.TooSlowError) else e
-        health.fail(Check.DAEMON, daemon_unreachable(socket, Exception(why)))
-        return
-    health.ok(Check.DAEMON)
-    names = {w.get("name") for w in st.get("workloads") or [] if isinstance(w, dict)}
-    if workload in names:
-        health.ok(Check.WORKLOAD)
-    else:
-        health.fail(Check.WORKLOAD, workload_unknown(workload, "its STATUS lists no such workload"))
-
-
-class _Replica(Protocol):
-    base_url: str
-
-    async def check_health(self, timeout: float) -> str | None: ...
-
-
-async def probe_replica(health: Health, replica: _Replica) -> None:
-    """One ``GET /health`` of ``replica`` (bounded by ``PROBE_TIMEOUT_S``)."""
-    error = await replica.check_health(PROBE_TIMEOUT_S)
-    health.set(Check.REPLICA, None if error is None else replica_unhealthy(replica.base_url, error))
-
-
-async def probe(
-    health: Health,
-    connect: Callable[[], Awaitable[AsyncSlicer]],
-    socket: str,
-    workload: str,
-    replica: _Replica,
-    *,
-    skip: Callable[[], bool] = lambda: False,
-) -> None:
-    """Probe slicerd and the replica forever: every ``PROBE_INTERVAL_S`` while every
-    check is ok, from ``PROBE_RETRY_MIN_S`` doubling while one fails or is not known.
-    ``skip()`` true (a turn is held: the turn itself is the evidence) skips a round."""
-    retry = PROBE_RETRY_MIN_S
-    probed = (Check.DAEMON, Check.WORKLOAD, Check.REPLICA)
-    while True:
-        if not skip():
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(probe_daemon, health, connect, socket, workload)
-                    nursery.start_soon(probe_replica, health, replica)
-            except Exception:
-                # A bug in a probe must never take the turn loop down with it.
-                log.exception("health probe failed (tried again in %.1f s)", PROBE_INTERVAL_S)
-        if all(health.state(c) for c in probed):
-            wait, retry = PROBE_INTERVAL_S, PROBE_RETRY_MIN_S
-        else:
-            wait, retry = retry, min(retry * 2, PROBE_INTERVAL_S)
-        await trio.sleep(wait)
-
-
 # -- GET /ready ----------------------------------------------------------------------
 
 
@@ -349,13 +292,47 @@ class _Readiness(Protocol):
     def not_ready(self, revision: str | None = None) -> str | None: ...
 
 
+def ready_revision(value: str) -> str:
+    """The revision ``GET /ready?revision=VALUE`` asks about: ``VALUE`` itself, or the
+    ``REV`` of ``NAME@REV`` (the model ids ``GET /v1/models`` lists; ``NAME`` is not
+    checked, as in requests). :class:`BadRequest` (echoing at most 200 characters of
+    ``value``) for an empty value, a trailing ``@`` or no valid revision name."""
+    if not value:
+        raise BadRequest(
+            "revision must not be empty: GET /ready?revision=REV (or NAME@REV, as GET "
+            "/v1/models lists it)", param="revision"
+        )  # fmt: skip
+    try:
+        revision = parse_model(value)[1] or value
+    except BadRequest:
+        raise BadRequest(
+            f"revision {quoted(value, 200)} ends with '@' but names no revision after it",
+            param="revision",
+        ) from None
+    if not REVISION_RE.fullmatch(revision):
+        raise BadRequest(
+            f"revision must match {REVISION_RE.pattern} (or be NAME@REV), got "
+            f"{quoted(value, 200)}", param="revision"
+        )  # fmt: skip
+    return revision
+
+
 def ready_endpoint(loop: _Readiness) -> Callable[[Request], Awaitable[Response]]:
     """The starlette endpoint of ``GET /ready[?revision=R]`` over ``loop`` (its
     ``not_ready(revision)``): 200 ``{"ready": true}``, else 503 ``{"ready": false,
-    "reason": ...}``."""
+    "reason": ...}``. ``R`` may be ``NAME@REV`` (:func:`ready_revision`); an empty or
+    malformed one is a 400 in OpenAI's error format (``param`` ``"revision"``)."""
 
     async def ready(request: Request) -> Response:
-        reason = loop.not_ready(request.query_params.get("revision"))
+        asked = request.query_params.get("revision")
+        try:
+            revision = None if asked is None else ready_revision(asked)
+        except BadRequest as e:
+            return JSONResponse(
+                error_body(str(e), "BadRequestError", "bad_request", e.param),
+                status_code=400, headers={"cache-control": "no-store"},
+            )  # fmt: skip
+        reason = loop.not_ready(revision)
         if reason is None:
             return JSONResponse({"ready": True}, headers={"cache-control": "no-store"})
         return JSONResponse(

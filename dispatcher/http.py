@@ -21,8 +21,16 @@ Routes
     one group commit (all or nothing; an invalid one is a 400 naming ``prompt[i]``),
     answered together as one body whose choice ``index`` is ``i * n + j`` (prompt ``i``,
     its choice ``j``) with the usage summed and ``sample_ids`` (each prompt's sample, in
-    order) instead of the ``x-sample-id`` header. Streamed too: each prompt's chunks in
-    prompt order, numbered the same way.
+    order) instead of the ``x-sample-id`` header (a list of at most ``MAX_ID_HEADER``
+    prompts also has them in ``x-sample-ids``, comma-separated). Streamed too: first
+    ``: sample_ids ID,...`` SSE comments (every prompt's sample, in order, before any
+    wait, so a client cut off mid-stream can fetch the results with ``POST
+    /v1/samples/results``), then each prompt's chunks in prompt order, numbered the same
+    way, all with one ``id`` (the first result's). A failed prompt fails a non-streamed
+    list as its own error would (vLLM fails the whole request too), the message starting
+    ``prompt[i] failed: ``, the error object holding every ``sample_ids``: the others'
+    results stay fetchable. A stream ends at a failure, any failure (a store error
+    included), with an error event and ``data: [DONE]``.
 ``GET /v1/models``, ``GET /v1/models/{NAME@REV}``
     Every published revision as an OpenAI model ``NAME@REV``, newest first
     (``{"object": "list", "data": [{"id", "object": "model", "created", "owned_by",
@@ -108,6 +116,7 @@ from gpu_slicer.dispatcher.errors import (
     StoreError,
     StoreFull,
     UnknownRevision,
+    quoted,
 )
 from gpu_slicer.dispatcher.events import encode
 from gpu_slicer.dispatcher.health import ready_endpoint
@@ -137,7 +146,6 @@ __all__ = [
     "MAX_BODY_BYTES",
     "build_app",
     "error_response",
-    "render_metrics",
     "serve_http",
 ]
 
@@ -149,6 +157,10 @@ MAX_WAIT_S = 300.0
 DEFAULT_WAIT_S = 30.0
 SSE_KEEPALIVE_S = 15.0
 SHUTDOWN_GRACE_S = 2.0  # serve_http: open requests after shutdown, by default
+MAX_ID_HEADER = 64  # a prompt list up to this long names its samples in x-sample-ids
+_IDS_PER_COMMENT = 256  # sample ids per ": sample_ids" line of a streamed prompt list
+_SLICE = 500  # items between checkpoints in the per-item loops of a long prompt list
+_THREAD_OVER = 256  # a prompt list longer than this is merged and encoded in a thread
 
 # Most specific first.
 ERROR_MAP: list[tuple[type[DispatchError], int, str]] = [
@@ -170,8 +182,11 @@ def _snake(name: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
-def error_response(exc: DispatchError) -> JSONResponse:
-    """The JSON error body and status for ``exc``."""
+def error_response(
+    exc: DispatchError, extra: dict[str, Any] | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """The JSON error body and status for ``exc``; ``extra`` members are added to the
+    error object (e.g. a prompt list's ``sample_ids``)."""
     status, typ = 500, "InternalServerError"
     if isinstance(exc, _TooLarge):
         status, typ = 413, "PayloadTooLargeError"
@@ -181,7 +196,9 @@ def error_response(exc: DispatchError) -> JSONResponse:
                 status, typ = http_status, name
                 break
     code = "too_large" if status == 413 else _snake(type(exc).__name__)
-    return JSONResponse(error_body(str(exc), typ, code, param_of(exc)), status_code=status)
+    body = error_body(str(exc), typ, code, param_of(exc))
+    body["error"].update(extra or {})
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _route_error(request: Request, exc: Exception) -> Response:
@@ -258,7 +275,7 @@ def _kind_of(body: dict[str, Any]) -> str:
     if kind is None:
         kind = "chat" if "messages" in body else "completion"
     if not isinstance(kind, str):
-        raise BadRequest(f"kind must be 'completion' or 'chat', got {kind!r:.50}")
+        raise BadRequest(f"kind must be 'completion' or 'chat', got {quoted(kind)}")
     return kind
 
 
@@ -279,9 +296,9 @@ def _wait(raw: str) -> float:
     try:
         wait = float(raw)
     except ValueError:
-        raise BadRequest(f"wait must be a number of seconds, got {raw!r:.50}") from None
+        raise BadRequest(f"wait must be a number of seconds, got {quoted(raw)}") from None
     if not math.isfinite(wait) or wait < 0:
-        raise BadRequest(f"wait must be a number of seconds >= 0, got {raw!r:.50}")
+        raise BadRequest(f"wait must be a number of seconds >= 0, got {quoted(raw)}")
     return min(wait, MAX_WAIT_S)
 
 
@@ -324,6 +341,35 @@ def _sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _id_comments(ids: list[str]) -> list[bytes]:
+    """A streamed prompt list's first lines: SSE comments (which SSE readers, the openai
+    client's included, skip) naming every prompt's sample in order, at most
+    ``_IDS_PER_COMMENT`` to a line, so a client cut off mid-stream can fetch the rest."""
+    return [
+        b": sample_ids " + ",".join(ids[at : at + _IDS_PER_COMMENT]).encode() + b"\n\n"
+        for at in range(0, len(ids), _IDS_PER_COMMENT)
+    ]
+
+
+def _ids_header(ids: list[str]) -> dict[str, str]:
+    """``x-sample-ids`` for a prompt list short enough for any client's header limit."""
+    return {"x-sample-ids": ",".join(ids)} if len(ids) <= MAX_ID_HEADER else {}
+
+
+def _encode(data: Any) -> bytes:
+    # As starlette's JSONResponse renders.
+    return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _unfinished(result: Result) -> DispatchError | None:
+    """The error a prompt list's ``result`` answers with, None when it is done."""
+    if result.status == "failed":
+        return _failure(result)
+    if result.status != "done" or result.raw is None:
+        return DeadlineExceeded(f"sample {result.id} has no result by its deadline")
+    return None
+
+
 def build_app(loop: TurnLoop) -> Starlette:
     """The ASGI app in front of ``loop``."""
 
@@ -337,7 +383,9 @@ def build_app(loop: TurnLoop) -> Starlette:
 
     async def generate(request: Request, kind: str) -> Response:
         body = await _json_object(request)
-        stream = body.get("stream") is True
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):  # before stream_options, which depend on it
+            raise BadRequest(f"stream must be true or false, got {quoted(stream)}")
         usage = include_usage(body, stream)
         prompts = split_prompts(body.get("prompt")) if kind == "completion" else None
         if prompts is None:
@@ -345,24 +393,21 @@ def build_app(loop: TurnLoop) -> Starlette:
             headers = {"x-sample-id": ps[0].id}
         else:
             ps = await _accept_prompts(body, prompts)
-            headers = {}
-        if not stream:
-            if prompts is None:
-                result = await wait_whole(ps[0].id, ps[0].deadline)
-                if result.status == "failed":
-                    raise _failure(result)
-                # vLLM's own bytes, as stored: only its "model" is set (oai.with_model).
-                raw = result.raw if result.raw is not None else b"null"
-                raw = with_model(raw, model_id(name, result.revision))
-                return Response(content=raw, media_type="application/json", headers=headers)
-            done = await _wait_all(ps)
-            out = merge_results(
-                [r.body or {} for r in done], model_id(name, done[0].revision), [p.id for p in ps]
+            headers = _ids_header([p.id for p in ps])
+        if stream:
+            listed = prompts is not None
+            return StreamingResponse(
+                _events(kind, ps, usage, listed), media_type="text/event-stream", headers=headers
             )
-            return JSONResponse(out, headers=headers)
-        return StreamingResponse(
-            _events(kind, ps, usage), media_type="text/event-stream", headers=headers
-        )
+        if prompts is not None:
+            return await _answer_list(ps, headers)
+        result = await wait_whole(ps[0].id, ps[0].deadline)
+        if result.status == "failed":
+            raise _failure(result)
+        # vLLM's own bytes, as stored: only its "model" is set (oai.with_model).
+        raw = result.raw if result.raw is not None else b"null"
+        raw = with_model(raw, model_id(name, result.revision))
+        return Response(content=raw, media_type="application/json", headers=headers)
 
     async def _accept_prompts(body: dict[str, Any], prompts: list[Any]) -> list[Pending]:
         """A completions body with a list of prompts, accepted as one sample per prompt
@@ -378,39 +423,90 @@ def build_app(loop: TurnLoop) -> Starlette:
             raise _prompt_error(e) from None
 
     async def _wait_all(ps: list[Pending]) -> list[Result]:
-        deadline = max(p.deadline for p in ps)
-        got = await loop.wait_results([p.id for p in ps], deadline - time.time() + 1.0)
-        for r in got:
-            if r.status == "failed":
-                raise _failure(r)
-            if r.status == "pending":
-                raise DeadlineExceeded(f"sample {r.id} has no result by its deadline")
+        """Every result of ``ps``, in order, once all are finished or the latest deadline
+        passed; read ``_SLICE`` ids at a time with a checkpoint between, so that a long
+        list does not hold the event loop."""
+        deadline = max(p.deadline for p in ps) + 1.0
+        ids = [p.id for p in ps]
+        got: list[Result] = []
+        for at in range(0, len(ids), _SLICE):
+            got += await loop.wait_results(ids[at : at + _SLICE], deadline - time.time())
+            await trio.lowlevel.checkpoint()
         return got
 
-    async def _events(kind: str, ps: list[Pending], usage: bool) -> AsyncIterator[bytes]:
+    async def _answer_list(ps: list[Pending], headers: dict[str, str]) -> Response:
+        """The one body of a non-streamed prompt list; if a prompt failed, the request
+        answers as its first failure would (as vLLM fails the whole request), the message
+        naming ``prompt[i]`` and how many failed, the error object holding every
+        prompt's ``sample_ids``: the other prompts' results stay fetchable
+        (``POST /v1/samples/results``)."""
+        done = await _wait_all(ps)
+        ids = [p.id for p in ps]
+        failed = [(i, e) for i, r in enumerate(done) if (e := _unfinished(r)) is not None]
+        if failed:
+            i, err = failed[0]
+            more = f" (and {len(failed) - 1} more prompts)" if len(failed) > 1 else ""
+            text = (
+                f"prompt[{i}]{more} failed: {err}; the other prompts' results are kept: "
+                "fetch them with POST /v1/samples/results (error.sample_ids, in prompt order)"
+            )
+            out = type(err)(text, param=param_of(err) or "prompt")
+            return error_response(out, {"sample_ids": ids}, headers)
+        model = model_id(name, done[0].revision)
+
+        def build() -> bytes:
+            return _encode(merge_results([r.body or {} for r in done], model, ids))
+
+        # Parsing 10,000 stored bodies and encoding the merge takes a few hundred ms:
+        # in a thread, the loop keeps serving meanwhile.
+        if len(done) > _THREAD_OVER:
+            content = await trio.to_thread.run_sync(build)
+        else:
+            content = build()
+        return Response(content=content, media_type="application/json", headers=headers)
+
+    async def _events(
+        kind: str, ps: list[Pending], usage: bool, listed: bool
+    ) -> AsyncIterator[bytes]:
+        """The SSE stream of ``ps`` (a prompt list when ``listed``: its sample ids first,
+        as comments). Any failure, mid-stream included (a store error), ends it with an
+        error event and ``[DONE]``, never a cut connection."""
+        if listed:
+            for line in _id_comments([p.id for p in ps]):
+                yield line
         bodies: list[dict[str, Any]] = []
         index = 0  # choices streamed so far: prompt i's choice j is i * n + j
         model = model_id(name, ps[0].revision)
-        for p in ps:
-            while True:
-                result = await loop.wait_result(
-                    p.id, min(SSE_KEEPALIVE_S, p.deadline - time.time())
-                )
-                if result.status != "pending" or time.time() >= p.deadline + 1.0:
-                    break
-                yield b": waiting\n\n"
-            if result.status != "done" or result.body is None:
-                err = (
-                    _failure(result)
-                    if result.status == "failed"
-                    else DeadlineExceeded(f"sample {p.id} has no result by its deadline")
-                )
+        stream_id: str | None = None  # one id for the whole stream, as OpenAI's
+        for i, p in enumerate(ps):
+            try:
+                while True:
+                    result = await loop.wait_result(
+                        p.id, min(SSE_KEEPALIVE_S, p.deadline - time.time())
+                    )
+                    if result.status != "pending" or time.time() >= p.deadline + 1.0:
+                        break
+                    yield b": waiting\n\n"
+                err = _unfinished(result)
+            except DispatchError as e:
+                err = e
+            except Exception as e:
+                log.exception("stream of %s failed", p.id)
+                err = DispatchError(f"internal error: {type(e).__name__}: {e}")
+            if err is not None or result.body is None:
+                if err is None:
+                    err = DispatchError(f"sample {p.id} has a result that is not JSON")
+                if listed:
+                    err = type(err)(f"prompt[{i}] failed: {err}", param=param_of(err))
                 yield _sse(json.loads(bytes(error_response(err).body)))
                 yield b"data: [DONE]\n\n"
                 return
             model = model_id(name, result.revision)
             bodies.append(result.body)
-            for chunk in chunks(kind, result.body, model, first_index=index, usage=usage):
+            if stream_id is None and isinstance(result.body.get("id"), str):
+                stream_id = result.body["id"]
+            part = chunks(kind, result.body, model, first_index=index, usage=usage, id=stream_id)
+            for chunk in part:
                 yield _sse(chunk)
                 index += 1
         if usage:
@@ -456,10 +552,10 @@ def build_app(loop: TurnLoop) -> Starlette:
         ids = _list_field(body, "ids")
         for i, id in enumerate(ids):
             if not isinstance(id, str):
-                raise BadRequest(f"ids[{i}] must be a sample id (a string), got {id!r:.50}")
+                raise BadRequest(f"ids[{i}] must be a sample id (a string), got {quoted(id)}")
         wait = body.get("wait", DEFAULT_WAIT_S)
         if isinstance(wait, bool) or not isinstance(wait, int | float | str):
-            raise BadRequest(f"wait must be a number of seconds, got {wait!r:.50}")
+            raise BadRequest(f"wait must be a number of seconds, got {quoted(wait)}")
         got = await loop.wait_results(ids, _wait(str(wait)))
         content = b'{"results":[' + b",".join(_sample_json(r) for r in got) + b"]}"
         return Response(content=content, media_type="application/json")
@@ -492,7 +588,7 @@ def build_app(loop: TurnLoop) -> Starlette:
             if model_id(name, rev.name) == wanted:
                 return JSONResponse(model_object(name, rev))
         raise UnknownRevision(
-            f"the model {wanted!r:.200} does not exist; GET /v1/models lists them"
+            f"the model {quoted(wanted, 200)} does not exist; GET /v1/models lists them"
         )
 
     async def status(request: Request) -> Response:

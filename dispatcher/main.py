@@ -37,11 +37,15 @@ one line naming the owner's pid (:mod:`dispatcher.owner`).
 
 Startup failures are one ``slicer-dispatch: error: WHAT (WHAT TO DO)`` line on stderr,
 never a traceback, with a sysexits code (:mod:`dispatcher.startup`): 64 bad arguments
-(an unknown option, a replica URL without ``http://``, a malformed ``--listen``), 65 the
-store is damaged, 69 the front cannot listen on its address (in use), 73 the state dir
-or the store cannot be created or opened, 75 another dispatcher owns the state dir, 77
-permission denied for the address, 70 a bug. An unreachable slicerd is not a startup
-failure: the dispatcher starts and waits for it.
+(an unknown option, a replica URL without ``http://``, a malformed ``--listen``, an
+unknown ``--log-level``, a ``--turn-seconds``/``--sample-deadline`` that is not a finite
+number > 0, a ``--turn-grace`` that is not one >= 0), 65 the store is damaged, 69 the
+front cannot listen on its address (in use; for ``--listen-unix``, a socket something
+answers on), 73 the state dir or the store cannot be created or opened (for
+``--listen-unix``, a path that exists and is not a socket), 75 another dispatcher owns
+the state dir, 77 permission denied for the address, 70 a bug. ``--listen-unix`` removes
+only a dead socket file (nothing answers a connect to it), left by a previous run. An
+unreachable slicerd is not a startup failure: the dispatcher starts and waits for it.
 
 SIGTERM/SIGINT: stop accepting, end a held turn (sleep vLLM, RELEASE, both bounded),
 end every ``GET /v1/events`` stream after the turn's last events with ``closed``, then
@@ -53,10 +57,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import stat
 import sys
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import click
@@ -111,9 +113,7 @@ async def _run(store: Store, replica_url: str, cfg: TurnConfig, bind: str) -> No
 
 def _bind(listen: str | None, listen_unix: str | None) -> str:
     if listen_unix:
-        path = Path(listen_unix)
-        if path.exists() and stat.S_ISSOCK(path.stat().st_mode):
-            path.unlink()  # a stale socket of a previous run
+        startup.claim_unix_socket(listen_unix)  # refuses a live one; removes a dead one
         return f"unix:{listen_unix}"
     return listen or "127.0.0.1:8100"
 
@@ -136,9 +136,12 @@ class _Dispatch(click.Command):
 @click.option("--listen", callback=startup.check_listen, help="HOST:PORT (default 127.0.0.1:8100)")
 @click.option("--listen-unix", help="serve HTTP on this Unix socket instead")
 @click.option("--model", help="served model name sent to vLLM (default: vLLM's own)")
-@click.option("--turn-seconds", type=float, default=30.0, show_default=True)
-@click.option("--turn-grace", type=float, default=10.0, show_default=True)
-@click.option("--sample-deadline", type=float, default=3600.0, show_default=True)
+@click.option("--turn-seconds", type=startup.SECONDS, default=30.0, show_default=True,
+              help="seconds a turn serves once another workload waits (> 0)")  # fmt: skip
+@click.option("--turn-grace", type=startup.SECONDS_OR_ZERO, default=10.0, show_default=True,
+              help="seconds sends in flight get at a turn's end (>= 0)")  # fmt: skip
+@click.option("--sample-deadline", type=startup.SECONDS, default=3600.0, show_default=True,
+              help="seconds a request may stay pending before it fails (> 0)")  # fmt: skip
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=64, show_default=True)
 @click.option(
     "--weight-check",
@@ -162,7 +165,8 @@ class _Dispatch(click.Command):
 @click.option("--batch-prompts", type=click.IntRange(1, 256), default=1, show_default=True,
               help="completion samples with identical parameters sent in one request as a "
               "list of prompts (1: one request per sample); chat samples go alone")  # fmt: skip
-@click.option("--log-level", default="info", show_default=True)
+@click.option("--log-level", type=click.Choice(startup.LOG_LEVELS, case_sensitive=False),
+              default="info", show_default=True)  # fmt: skip
 def main(
     workload: str,
     replica_url: str,

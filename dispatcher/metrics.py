@@ -11,6 +11,9 @@ dispatcher") lists them:
 ``failed_total``, ``turns_total``, ``turn_errors_total``, ``loads_total``,
 ``load_failures_total``, ``sends_total``, ``batched_samples_total``,
 ``send_errors_total``, ``commits_total``, ``expired_total``, ``rejects_total{reason}``.
+
+Served as ``text/plain; version=0.0.4; charset=utf-8`` (the classic text format); the
+values are floats as prometheus-client writes them, so a counter of 61 reads ``61.0``.
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.core import Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpu_slicer.dispatcher.turns import TurnLoop
 
 __all__ = ["CONTENT_TYPE", "DispatchCollector", "registry_for", "render_metrics"]
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+# The classic text format's own type, as the hand-written exposition answered (and what
+# generate_latest writes); prometheus-client's CONTENT_TYPE_LATEST says 1.0.0 instead.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 PREFIX = "slicer_dispatch_"
 
 _registries: weakref.WeakKeyDictionary[TurnLoop, CollectorRegistry] = weakref.WeakKeyDictionary()

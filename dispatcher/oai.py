@@ -27,7 +27,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from gpu_slicer.dispatcher.errors import BadRequest, DispatchError
+from gpu_slicer.dispatcher.errors import BadRequest, DispatchError, quoted
 from gpu_slicer.dispatcher.model import Revision
 
 __all__ = [
@@ -123,7 +123,8 @@ def _encoded(model: str) -> bytes:
 
 def include_usage(body: dict[str, Any], stream: bool) -> bool:
     """Whether ``body`` asks for the usage chunk (``stream_options.include_usage``);
-    BadRequest for stream options that are no object, or given without ``stream``."""
+    BadRequest for stream options that are no object, or that ask for something without
+    ``stream`` (an empty ``{}`` is accepted either way, as vLLM does)."""
     opts = body.get("stream_options")
     if opts is None:
         return False
@@ -131,14 +132,14 @@ def include_usage(body: dict[str, Any], stream: bool) -> bool:
         raise BadRequest(
             f"stream_options must be an object, got {type(opts).__name__}", param="stream_options"
         )
-    if not stream:
+    if not stream and opts:
         raise BadRequest(
             "stream_options can only be given with stream: true", param="stream_options"
         )
     usage = opts.get("include_usage", False)
     if not isinstance(usage, bool):
         raise BadRequest(
-            f"stream_options.include_usage must be true or false, got {usage!r:.50}",
+            f"stream_options.include_usage must be true or false, got {quoted(usage)}",
             param="stream_options",
         )
     return usage
@@ -147,13 +148,22 @@ def include_usage(body: dict[str, Any], stream: bool) -> bool:
 def split_prompts(prompt: object) -> list[Any] | None:
     """The prompts of a completions ``prompt`` that is a batch (a list of at least two
     strings, or of at least two token-id lists), else None (one prompt: the store
-    validates it). BadRequest for a list that mixes prompts and token ids."""
+    validates it). BadRequest for a list that mixes prompts and token ids, and for an
+    item that is a list but no token ids (``[["a"], ["b"]]`` is no list of prompts)."""
     if not isinstance(prompt, list) or len(prompt) < 2:
         return None
     types = set(map(type, prompt))
     if not types & {str, list}:
         return None  # token ids of one prompt
-    if types == {str} or types == {list}:
+    if types == {str}:
+        return prompt
+    if types == {list}:
+        for i, x in enumerate(prompt):
+            if not set(map(type, x)) <= {int}:
+                raise BadRequest(
+                    f"prompt[{i}] must be a string or a list of token ids, got {quoted(x)}",
+                    param="prompt",
+                )
         return prompt
     raise BadRequest(
         "prompt must be a string, a list of token ids, a list of strings or a list of "
@@ -209,13 +219,23 @@ def merge_results(
 
 
 def chunks(
-    kind: str, body: dict[str, Any], model: str, *, first_index: int = 0, usage: bool = False
+    kind: str,
+    body: dict[str, Any],
+    model: str,
+    *,
+    first_index: int = 0,
+    usage: bool = False,
+    id: str | None = None,
 ) -> list[dict[str, Any]]:
     """A whole result as stream chunks: one per choice, its whole text in it (``delta``
     for chat), numbered from ``first_index``; ``usage`` adds ``"usage": null`` to each,
-    as OpenAI does when the usage chunk follows."""
+    as OpenAI does when the usage chunk follows. ``id`` (default: the body's) is the
+    stream's: OpenAI gives every chunk of one stream the same id, so a stream of a
+    prompt list passes its first result's id for every prompt's chunks."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     base: dict[str, Any] = {k: body[k] for k in ("id", "created") if k in body}
+    if id is not None:
+        base["id"] = id
     base.update(object=obj, model=model)
     out: list[dict[str, Any]] = []
     for j, choice in enumerate(sorted(body.get("choices") or [], key=lambda c: c.get("index", 0))):
@@ -232,7 +252,7 @@ def chunks(
 
 def usage_chunk(kind: str, bodies: Sequence[dict[str, Any]], model: str) -> dict[str, Any]:
     """The stream's last chunk under ``stream_options.include_usage``: no choices, the
-    usage of ``bodies`` (:func:`sum_usage`)."""
+    usage of ``bodies`` (:func:`sum_usage`), the id of the first (the stream's id)."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     first = bodies[0] if bodies else {}
     chunk: dict[str, Any] = {k: first[k] for k in ("id", "created") if k in first}

@@ -6,6 +6,17 @@ answer (core.result_ok) and handles a failed send. Apart from :mod:`dispatcher.s
 because it is the per-request half: :class:`~dispatcher.serve.Serving` owns the state
 (in-flight scopes, retry times, the send-alone set, send error counts) and passes it in;
 what the sends mean is described in :mod:`dispatcher.serve`'s docstring.
+
+A result refused because its weights are not the revision loaded (reject
+``weight_version``, or ``weight_label`` in label mode; the epoch did not change, so no load
+of ours came between) means the replica is not the one we loaded: a replica restarted by
+its launcher mid-turn serves its boot weights under ``"default"``, and every retry would
+be refused again until the request's deadline. After ``MAX_WEIGHT_REFUSALS`` such
+refusals in a row in one turn (no commit between), ``on_foreign(revision, how)`` is
+called: the turn loop reports it (``replica serves weights other than REV``), ends the
+turn as a replica error and recovers the replica and reloads ``REV`` in the next turn.
+The requests stay pending. Eight, not one: a single odd answer must not cost a reload,
+and eight come within a second under load (or eight seconds for a lone request).
 """
 
 from __future__ import annotations
@@ -32,13 +43,21 @@ from gpu_slicer.dispatcher.model import Counters, Pending, TurnConfig, TurnState
 from gpu_slicer.dispatcher.store import Store
 from gpu_slicer.dispatcher.vllm import CONTROL_TIMEOUT_S, Replica
 
-__all__ = ["NO_WEIGHT_VERSIONS_ERROR", "RETRY_AFTER_S", "SEND_FAILED", "Sender"]
+__all__ = [
+    "MAX_WEIGHT_REFUSALS",
+    "NO_WEIGHT_VERSIONS_ERROR",
+    "RETRY_AFTER_S",
+    "SEND_FAILED",
+    "Sender",
+]
 
 # The logger of dispatcher.serve, as before the send side moved here (logs are filtered by it).
 log = logging.getLogger("dispatcher.serve")
 
 RETRY_AFTER_S = 1.0  # a rejected or failed send is tried again after this
 _PERMANENT = (400, 422)  # vLLM refused the request itself: retrying cannot help
+MAX_WEIGHT_REFUSALS = 8  # results in a row with other weights: not the replica we loaded
+_FOREIGN = ("weight_version", "weight_label")  # the reject reasons that count towards it
 SEND_FAILED = "send failed"  # how the error of a request failed by its sends starts
 NO_WEIGHT_VERSIONS_ERROR = (
     "replica returned no weight_versions: vLLM older than 0.33 ignores "
@@ -63,6 +82,15 @@ def _reject_reason(
     if any(not spans for spans in weight_versions(body)):
         return "no_weight_versions"
     return "weight_version"
+
+
+def _served(body: dict[str, Any], label: str | None) -> str:
+    """The weights ``body`` says it came from, in words (for the log)."""
+    if label is not None:
+        return f"/weight_info label {label!r}"
+    found = sorted({str(s.get("version")) for spans in weight_versions(body) for s in spans
+                    if isinstance(s, dict)})  # fmt: skip
+    return f"weight_versions {found}" if found else "no weight_versions"
 
 
 def _no_weight_versions_at_all(body: dict[str, Any]) -> bool:
@@ -94,6 +122,7 @@ class Sender:
         signal: Callable[[], None],
         commit: Callable[[TurnState, Pending, bytes], None],
         fail: Callable[[Pending, str], None],
+        on_foreign: Callable[[str, str], None] | None = None,
     ) -> None:
         self.store = store
         self.journal = journal
@@ -109,6 +138,8 @@ class Sender:
         self._fail = fail
         self._sends = 0  # HTTP sends in flight (a batch of prompts is one)
         self._told_no_weight_versions = False  # the error is logged once per loop
+        self._on_foreign = on_foreign
+        self._refusals: tuple[TurnState | None, int] = (None, 0)  # foreign results in a row
 
     def sendable(self, p: Pending, now: float) -> bool:
         # A result waiting for its group commit is not sent again (dispatcher.journal).
@@ -354,11 +385,19 @@ class Sender:
             return
         loaded = self.replica.known_version or ""
         if result_ok(p, answer, loaded, epoch, self.replica.epoch, label):
+            self._refusals = (cur, 0)
             self._commit(cur, p, raw)  # as vLLM returned it
             return
         reason = _reject_reason(answer, p, epoch, self.replica.epoch, label)
         self.counters.rejects[reason] += 1
         self._retry_at[p.id] = trio.current_time() + RETRY_AFTER_S
+        if reason in _FOREIGN and loaded:
+            turn, n = self._refusals
+            n = n + 1 if turn is cur else 1
+            self._refusals = (cur, n)
+            if n == MAX_WEIGHT_REFUSALS and self._on_foreign is not None:
+                how = f"{n} results in a row refused, the last with {_served(answer, label)}"
+                self._on_foreign(loaded, how)
         if (
             label is None
             and reason == "no_weight_versions"

@@ -137,7 +137,9 @@ class Serving:
     """The requests' side of the dispatcher (module docstring).
 
     ``counters`` and ``events`` are sinks it reports to; ``enter`` changes the turn
-    loop's phase (the loop's own check of the table)."""
+    loop's phase (the loop's own check of the table); ``on_foreign(revision, how)`` is
+    told when results keep carrying weights other than the loaded ``revision``
+    (:mod:`dispatcher.sending`)."""
 
     def __init__(
         self,
@@ -149,6 +151,7 @@ class Serving:
         events: EventStream,
         enter: Callable[[Phase], None],
         journal: Journal | None = None,
+        on_foreign: Callable[[str, str], None] | None = None,
     ) -> None:
         self.store = store
         self.journal = journal or Journal(store)
@@ -168,7 +171,7 @@ class Serving:
             store, self.journal, replica, cfg, counters,
             in_flight=self._in_flight, retry_at=self._retry_at, alone=self._alone,
             send_errors=self._send_errors, signal=self.signal, commit=self._commit,
-            fail=self._fail,
+            fail=self._fail, on_foreign=on_foreign,
         )  # fmt: skip
 
     # -- waiting ---------------------------------------------------------------------

@@ -5,18 +5,25 @@ must be an absolute ``http://`` or ``https://`` URL with a host (``--replica
 127.0.0.1:8000`` is refused with the form to use), ``--listen`` must be ``HOST:PORT``,
 the workload and pool names must follow the names' rule. A state dir another dispatcher
 owns (75), a state dir or store that cannot be created or opened (73), a damaged store
-(65) and a front address that cannot be bound (69; 77 when permission is denied) are
-`CliFailure`s naming the path or the address and what to do. An unreachable slicerd is
+(65) and a front address that cannot be bound (69; 77 when permission is denied; for
+``--listen-unix``, a live socket 69 and a path that is no socket 73:
+:func:`claim_unix_socket`) are `CliFailure`s naming the path or the address and what to
+do. Durations must be finite numbers of seconds (:class:`Seconds`), the log level one of
+``LOG_LEVELS`` in any case. An unreachable slicerd is
 none of these: the dispatcher starts and waits for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import math
 import os
 import socket
 import sqlite3
+import stat
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import click
@@ -36,15 +43,44 @@ from gpu_slicer.slicer.exits import (
 )
 
 __all__ = [
+    "LOG_LEVELS",
+    "SECONDS",
+    "SECONDS_OR_ZERO",
+    "Seconds",
     "bind_failure",
     "check_listen",
     "check_name",
     "check_replica_url",
+    "claim_unix_socket",
     "open_state",
     "probe_bind",
 ]
 
 _GOOD_URL = "e.g. http://127.0.0.1:8000"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_PROBE_CONNECT_S = 1.0  # claim_unix_socket: how long a live socket may take to answer
+
+
+class Seconds(click.FloatRange):
+    """A duration option: a finite number of seconds, > 0 (``min_open``) or >= 0.
+
+    click's FloatRange lets ``nan`` and ``inf`` through (no comparison fails on them)."""
+
+    name = "seconds"
+
+    def __init__(self, *, zero_ok: bool) -> None:
+        super().__init__(min=0.0, min_open=not zero_ok)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The value as a float, or a usage error naming the option."""
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return rv
+
+
+SECONDS = Seconds(zero_ok=False)
+SECONDS_OR_ZERO = Seconds(zero_ok=True)
 
 
 def check_replica_url(_ctx: click.Context, _param: click.Parameter, url: str) -> str:
@@ -117,6 +153,42 @@ def _store_failure(e: StoreError, state_dir: Path) -> CliFailure:
         return CliFailure(f"{e}: the store is damaged ({todo})", EX_DATAERR)
     todo = f"check the permissions and free space of {state_dir}, or give another --state-dir"
     return CliFailure(f"{e} ({todo})", EX_CANTCREAT)
+
+
+def claim_unix_socket(path: str) -> None:
+    """Make ``path`` free for ``--listen-unix``: nothing there is fine; a socket file that
+    nothing answers on (a previous run's) is removed; a socket something answers a
+    connect() on (within ``_PROBE_CONNECT_S``) is refused, 69, and so is a path that is
+    no socket, 73: neither is ever removed."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise bind_failure(f"unix:{path}", e) from None
+    if not stat.S_ISSOCK(mode):
+        todo = "move it away, or give another path with --listen-unix PATH"
+        raise CliFailure(f"{path} exists and is not a socket ({todo})", EX_CANTCREAT)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(_PROBE_CONNECT_S)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            pass  # dead: nobody listens
+        except TimeoutError:
+            _in_use(path, "it did not answer within 1 s but holds the socket")
+        except OSError as e:
+            raise bind_failure(f"unix:{path}", e) from None
+        else:
+            _in_use(path, "a process answers on it")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a stale socket of a previous run
+
+
+def _in_use(path: str, why: str) -> None:
+    todo = "stop it, or give another path with --listen-unix PATH"
+    raise CliFailure(f"cannot listen on {path}: the socket is in use: {why} ({todo})",
+                     EX_UNAVAILABLE)  # fmt: skip
 
 
 def probe_bind(bind: str) -> None:

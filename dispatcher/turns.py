@@ -18,6 +18,8 @@ that request's own cancel scope.
 A turn, while anything is pending (each phase is logged with its duration)::
 
     ACQUIRE (wait=acquire_wait, then again)       slicerd grants the GPU
+    GET /weight_info  when a revision is loaded   another label: not the replica we
+                                                  loaded (restarted), so recover
     recover()  on first sight / after a broken load or a replica error
     wake()     <= wake_timeout
     loop:  revision = core.next_revision(...)     prefer the loaded one (no reload)
@@ -53,12 +55,20 @@ What the loop learns about its world goes to its :class:`~dispatcher.health.Heal
 (``/status``'s ``problem``, ``GET /ready``): a connect or ACQUIRE that fails or works
 (slicerd reachable? the workload registered?), a recover or wake that fails or works and
 a replica failure while serving (the replica), and, every second and at each
-``/status``, the store's health and the load backoff (``last load error``). Between
-turns :func:`~dispatcher.health.probe` runs in the loop's nursery and asks slicerd and
-the replica itself, so an idle dispatcher knows too. A slicerd that cannot be reached
-(at start or later) is a waiting state, never a crash: requests are still accepted and
-journaled, the problem says why nothing is served, and turns are retried with the
-backoff above.
+``/status``, the store's health and the load backoff (``last load error``).
+:func:`~dispatcher.probe.probe` runs in the loop's nursery and asks slicerd (during
+turns too: a turn whose workload left slicerd ends at once) and, between turns, the
+replica itself, so an idle dispatcher knows too.
+
+When to recover the replica, and a replica that is not the one loaded (its launcher
+restarted it: same URL, a new process with its boot weights), is
+:class:`~dispatcher.recovery.Recovery`'s: it reads ``/weight_info`` at the start of a
+turn, hears from the probe and from the sends' bound on results refused for their
+weights, ends a held turn and says ``replica serves weights other than REV``.
+
+A slicerd that cannot be reached (at start or later) is a waiting state, never a crash:
+requests are still accepted and journaled, the problem says why nothing is served, and
+turns are retried with the backoff above.
 """
 
 from __future__ import annotations
@@ -89,7 +99,6 @@ from gpu_slicer.dispatcher.health import (
     daemon_unreachable,
     note_loads,
     note_store,
-    probe,
     problem_fields,
     replica_unhealthy,
     workload_unknown,
@@ -105,6 +114,8 @@ from gpu_slicer.dispatcher.model import (
     TurnState,
     check_transition,
 )
+from gpu_slicer.dispatcher.probe import probe
+from gpu_slicer.dispatcher.recovery import Recovery
 from gpu_slicer.dispatcher.serve import Serving
 from gpu_slicer.dispatcher.store import Staged, Store, check_revision_name
 from gpu_slicer.dispatcher.vllm import Replica
@@ -164,26 +175,31 @@ class TurnLoop:
         self.phase = Phase.IDLE
         self.turn: int | None = None
         self.journal = Journal(store)
+        self.health = Health(on_change=self._problem_changed)
+        self.recovery = Recovery(
+            replica, self.health, cfg.workload, current=lambda: self._current,
+            signal=lambda: self.serving.signal(),
+        )  # fmt: skip
         self.serving = Serving(
             store, replica, cfg, counters=self.counters, events=self.events, enter=self._enter,
-            journal=self.journal,
+            journal=self.journal, on_foreign=self.recovery.foreign,
         )  # fmt: skip
         self._current: TurnState | None = None
-        self._needs_recover = True  # first sight of the replica
         self._connect = connect or (lambda: _connect_default(cfg.socket))
         self._slicer: AsyncSlicer | None = None
         self._probe = connect is None if probe is None else probe
         self._socket = socket_path(cfg.socket)
-        self.health = Health(on_change=self._problem_changed)
 
     def _problem_changed(self, problem: Problem | None) -> None:
         self.events.publish("problem", **problem_fields(problem))
 
     def _refresh_health(self) -> None:
-        """The checks derived from state (store, loads): at every ``/status`` and tick."""
+        """The checks derived from state (store, loads, weights): at every ``/status``,
+        ``/ready`` and tick."""
         note_store(self.health, self.store.health())
         pending = set(self.store.pending_revisions())
         note_loads(self.health, self.serving.load_backoff(trio.current_time()), pending)
+        self.recovery.refresh(bool(pending))
 
     def not_ready(self, revision: str | None = None) -> str | None:
         """Why ``GET /ready`` answers 503 (None: ready): the first needed check not known
@@ -259,6 +275,10 @@ class TurnLoop:
         resolved: dict[str | None, str] = {}  # revision lookups, once per batch
         deadline = self.cfg.sample_deadline
         for i, (kind, body) in enumerate(requests):
+            if i % 256 == 255:
+                # A 10,000-prompt list must not hold the loop for half a second; nothing
+                # is journaled before the loop ends, so a cancellation here loses nothing.
+                await trio.lowlevel.checkpoint()
             try:
                 staged.append(self.store.prepare(kind, body, None, deadline, resolved=resolved))
             except (BadRequest, UnknownRevision) as e:
@@ -348,7 +368,9 @@ class TurnLoop:
                     nursery.start_soon(
                         partial(probe, self.health, self._connect, self._socket,
                                 self.cfg.workload, self.replica,
-                                skip=lambda: self._current is not None)
+                                held=lambda: self._current is not None,
+                                on_replica_lost=self.recovery.forget,
+                                on_workload_lost=self.recovery.workload_lost)
                     )  # fmt: skip
                 task_status.started()
                 await self._loop()
@@ -421,9 +443,8 @@ class TurnLoop:
                          self.cfg.acquire_wait)  # fmt: skip
                 return
             if e.code == proto.ErrorCode.UNKNOWN_WORKLOAD:
-                how = f"ACQUIRE answered ERR {e}"
                 self.health.ok(Check.DAEMON)
-                self.health.fail(Check.WORKLOAD, workload_unknown(self.cfg.workload, how))
+                self.health.fail(Check.WORKLOAD, workload_unknown(self.cfg.workload))
             if e.code == "unreachable":
                 await self._drop_connection()
             raise
@@ -469,11 +490,12 @@ class TurnLoop:
     async def _prepare(self, cur: TurnState) -> None:
         n = cur.turn.turn
         try:
-            if self._needs_recover:
+            await self.recovery.check(n)  # a restarted replica: recover it now
+            if self.recovery.needed:
                 self._enter(Phase.RECOVERING)
                 t0 = time.monotonic()
                 await self.replica.recover()
-                self._needs_recover = False
+                self.recovery.needed = False
                 log.info("turn %d: recovered the replica in %.3f s", n, time.monotonic() - t0)
                 self.events.publish("recovered", turn=n, duration_s=_since(t0))
             self._enter(Phase.WAKING)
@@ -492,8 +514,8 @@ class TurnLoop:
         """Sleep the replica, then RELEASE (runs shielded; every step bounded)."""
         n = cur.turn.turn
         if reason == "replica-error" or cur.load_broke:
-            self._needs_recover = True  # perhaps a new replica process: first sight again
-        if cur.replica_failed:
+            self.recovery.needed = True  # perhaps a new replica process: first sight again
+        if not self.recovery.told(cur) and cur.replica_failed:
             url = self.replica.base_url
             self.health.fail(Check.REPLICA, replica_unhealthy(url, cur.replica_failed))
         self._enter_ending(Phase.SLEEPING)

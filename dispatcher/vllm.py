@@ -21,7 +21,10 @@ such an event can never carry the epoch it was sent under (see ``core.commit_ok`
 ``known_version`` is the revision this client itself loaded completely, or None when
 unknown (first sight, after a broken load or a recovery): the turn loop must load
 whenever it differs from the wanted revision, whatever ``/weight_info`` says, because
-a broken reload can leave the old label on half-new weights.
+a broken reload can leave the old label on half-new weights. A replica restarted at the
+same URL (its launcher restarted) serves its boot weights under ``"default"``: the turn
+loop reads ``/weight_info`` at each wake and the health probe between turns, and
+:meth:`Replica.forget` drops ``known_version`` when the label is not the one loaded.
 """
 
 from __future__ import annotations
@@ -297,6 +300,14 @@ class Replica:
         self.epoch += 1
         self.known_version = None
         await self.finish_open_update(timeout)
+
+    def forget(self) -> None:
+        """Count the loaded version as unknown (and every request in flight as sent to
+        another replica) without a call: the process at ``base_url`` may be a new one
+        (a failed probe, or weights other than ours), so the next turn recovers and
+        loads the wanted revision whole."""
+        self.epoch += 1
+        self.known_version = None
 
     async def complete(self, kind: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         """POST ``body`` to ``/v1/completions`` (kind "completion") or

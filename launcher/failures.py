@@ -10,7 +10,7 @@ workload is registered, so a typo costs no registration and no boot turn.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gpu_slicer.launcher.config import Exit
 
@@ -47,14 +47,13 @@ def command_problem(argv: Sequence[str], path: str | None) -> tuple[int, str] | 
     ``(code, line)`` with a shell's codes (127 not found, 126 not executable); None when
     it can. The start itself still maps an OSError the same way (the file may change)."""
     cmd = argv[0]
-    if "/" in cmd:
-        candidates = [cmd]
-    else:
-        dirs = (path if path is not None else os.defpath).split(os.pathsep)
-        candidates = [os.path.join(d or ".", cmd) for d in dirs]
-    found = [c for c in candidates if os.path.exists(c)]
-    if any(os.path.isfile(c) and os.access(c, os.X_OK) for c in found):
-        return None
+    found = [c for c in _candidates(cmd, path) if os.path.exists(c)]
+    runnable = [c for c in found if os.path.isfile(c) and os.access(c, os.X_OK)]
+    if runnable:
+        bad = bad_interpreter(runnable[0])
+        if bad is None:
+            return None
+        return Exit.NOT_EXECUTABLE, start_failed(cmd, bad, Exit.NOT_EXECUTABLE)
     if not found:
         where = "no such file" if "/" in cmd else "not found on PATH"
         return Exit.NOT_FOUND, start_failed(cmd, f"{where}", Exit.NOT_FOUND)
@@ -62,11 +61,49 @@ def command_problem(argv: Sequence[str], path: str | None) -> tuple[int, str] | 
     return Exit.NOT_EXECUTABLE, start_failed(cmd, f"{found[0]} {what}", Exit.NOT_EXECUTABLE)
 
 
+def _candidates(cmd: str, path: str | None) -> list[str]:
+    if "/" in cmd:
+        return [cmd]
+    dirs = (path if path is not None else os.defpath).split(os.pathsep)
+    return [os.path.join(d or ".", cmd) for d in dirs]
+
+
+def found_but_bad(cmd: str, env: Mapping[str, str]) -> str | None:
+    """For an exec of `cmd` that failed with "No such file": the bad-interpreter reason
+    when `cmd` (looked up in `env`'s PATH) is a script whose ``#!`` names no program."""
+    for c in _candidates(cmd, env.get("PATH")):
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return bad_interpreter(c)
+    return None
+
+
+def bad_interpreter(path: str) -> str | None:
+    """Why the ``#!`` interpreter of script `path` cannot run (as a shell's "bad
+    interpreter"), or None when it can or `path` is no script."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(256)
+    except OSError:
+        return None  # unreadable: exec itself will say why
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].split()
+    if not words:
+        return "bad interpreter: its #! line names none"
+    interp = os.fsdecode(words[0])
+    if not os.path.isfile(interp):
+        return f"bad interpreter {interp}: No such file or directory"
+    if not os.access(interp, os.X_OK):
+        return f"bad interpreter {interp}: not executable"
+    return None
+
+
 def start_failed(cmd: str, why: str, code: int) -> str:
     """The line for a COMMAND that cannot be started (`code` 127 or 126)."""
-    todo = (
-        "check COMMAND and PATH"
-        if code == Exit.NOT_FOUND
-        else "make it executable, or run it through its interpreter"
-    )
+    if code == Exit.NOT_FOUND:
+        todo = "check COMMAND and PATH"
+    elif why.startswith("bad interpreter"):
+        todo = "fix its #! line, or run it through its interpreter"
+    else:
+        todo = "make it executable, or run it through its interpreter"
     return f"cannot start {cmd}: {why} ({todo})"

@@ -8,7 +8,8 @@ line on stderr, never a traceback):
     N     the child's own exit code (128+S when it died of signal S), also after a
           SIGTERM/SIGINT to the launcher was forwarded to it (137: SIGKILLed after grace)
     1     vLLM profile: the replica never got ready (exited early, /sleep failed, ...)
-    64    bad command line (unknown option, bad value, no COMMAND)
+    64    bad command line (unknown option, bad value, no COMMAND, an empty COMMAND);
+          bare `slicer-launch` prints its help to stderr and exits 64 too
     69    slicerd could not be reached for the first REGISTER (--connect-timeout)
     70    a FAULT arrived: the child's process group was stopped
     75    vLLM profile: boot turn not granted in --boot-timeout, or not healthy in
@@ -20,6 +21,7 @@ line on stderr, never a traceback):
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +37,27 @@ from gpu_slicer.launcher.vllm import VllmProfile
 from gpu_slicer.slicer.exits import CliFailure, run_command, single_error
 
 PROG = "slicer-launch"
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+class Seconds(click.FloatRange):
+    """A duration option: a finite number of seconds, at least 0 (NaN and inf refused:
+    a NaN bound never runs out, and is no bound)."""
+
+    name = "seconds"
+
+    def __init__(self) -> None:
+        super().__init__(min=0)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The value as float seconds; a usage error (64) naming the option otherwise."""
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return seconds
+
+
+SECONDS = Seconds()
 
 
 def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | None:
@@ -44,6 +67,12 @@ def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> in
         return proto.parse_size(value)
     except proto.ProtocolError as e:
         raise click.BadParameter(str(e)) from e
+
+
+def _socket(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value == "":  # never silently the default socket instead
+        raise click.BadParameter("is empty: give slicerd's socket path, or leave it out")
+    return value
 
 
 def _common(
@@ -76,10 +105,29 @@ def _common(
                     show_default=True,
                     help="GPU bytes the parked workload may keep (KiB/MiB/GiB suffixes)",
                 ),
-                click.option("--socket", help="slicerd socket (default $SLICER_SOCKET)"),
-                click.option("--kill-grace", type=float, default=5.0, show_default=True),
-                click.option("--connect-timeout", type=float, default=30.0, show_default=True),
-                click.option("--log-level", default="info", show_default=True),
+                click.option(
+                    "--socket", callback=_socket, help="slicerd socket (default $SLICER_SOCKET)"
+                ),
+                click.option(
+                    "--kill-grace",
+                    type=SECONDS,
+                    default=5.0,
+                    show_default=True,
+                    help="seconds between forwarding SIGTERM and SIGKILL",
+                ),
+                click.option(
+                    "--connect-timeout",
+                    type=SECONDS,
+                    default=30.0,
+                    show_default=True,
+                    help="seconds the first REGISTER keeps retrying an unreachable slicerd",
+                ),
+                click.option(
+                    "--log-level",
+                    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+                    default="info",
+                    show_default=True,
+                ),
                 click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED),
             ]
         ):
@@ -91,6 +139,8 @@ def _common(
 
 def _launch(kw: dict[str, Any], profile: Profile) -> None:
     command = list(kw.pop("command"))
+    if not command[0]:
+        raise click.UsageError("COMMAND is empty: give the program to run after '--'")
     if command[0].startswith("-"):
         # ignore_unknown_options lets a misspelt option through as COMMAND.
         raise click.UsageError(f"no such option: {command[0]}; COMMAND goes after '--'")
@@ -131,10 +181,10 @@ def run(**kw: Any) -> None:
 @main.command(context_settings={"ignore_unknown_options": True})
 @_common("cooperative", "4GiB", "checkpoint")
 @click.option("--ready-file", type=click.Path(path_type=Path), help="ready marker")
-@click.option("--boot-timeout", type=float, default=900.0, show_default=True)
-@click.option("--health-timeout", type=float, default=600.0, show_default=True)
+@click.option("--boot-timeout", type=SECONDS, default=900.0, show_default=True)
+@click.option("--health-timeout", type=SECONDS, default=600.0, show_default=True)
 @click.option("--sleep-level", type=click.IntRange(1, 2), default=1, show_default=True)
-@click.option("--sleep-timeout", type=float, default=300.0, show_default=True)
+@click.option("--sleep-timeout", type=SECONDS, default=300.0, show_default=True)
 @click.option("--no-sleep-mode-flag", is_flag=True, help="do not add --enable-sleep-mode")
 def vllm(**kw: Any) -> None:
     """Boot `vllm serve` in a boot turn, sleep it, release, then supervise it."""

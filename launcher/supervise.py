@@ -172,9 +172,12 @@ class Supervisor:
                 try:
                     self.child = await Child.start(argv, self.child_env())
                 except OSError as e:  # as a shell: 127 not found, 126 not executable
+                    why = e.strerror or str(e)
                     missing = isinstance(e, FileNotFoundError)
+                    if missing and (bad := failures.found_but_bad(argv[0], self.child_env())):
+                        missing, why = False, bad  # the file is there: its #! is not
                     code = Exit.NOT_FOUND if missing else Exit.NOT_EXECUTABLE
-                    line = failures.start_failed(argv[0], e.strerror or str(e), code)
+                    line = failures.start_failed(argv[0], why, code)
                     self.stop(Stop("command", code, line))
                     return
                 nursery.start_soon(self._watch_child, self.child)

@@ -28,6 +28,9 @@ stays pending, its reply still arrives and is dropped with the call, so the conn
 stays in step. One reply is not dropped: the grant of an abandoned ACQUIRE, which the
 daemon counts as a turn this connection holds. The session then owes a ``RELEASE`` of that
 turn (``park=lazy``), handed out by the next `data_to_send`, whose reply is dropped too.
+Being sans-IO, it can only do so once the grant was read: until then the daemon counts
+the turn as this connection's. `has_abandoned_acquire` tells a transport to keep reading
+(the async clients do, in a task of their own).
 Until the abandoned ACQUIRE is answered, an ACQUIRE sent meanwhile (and every call after
 it) is held back, out of `data_to_send`: written behind the grant it would be answered
 ``ERR busy``; it goes out behind the owed RELEASE. A held call that is abandoned is never
@@ -36,17 +39,21 @@ and each `Call.abandon`.
 
 Failures. ``ERR`` becomes `ClientError` with the wire code, raised by `Call.result`. A
 lost connection (`connection_lost`, `receive_eof`) fails every pending call and every
-later `send` with `Unreachable`. A malformed line raises `RemoteProtocolError` from
-`receive_data` after the other lines of that data were taken; a malformed reply also
-fails its own call, so the order holds. Two things leave the stream out of step and fail
-the session for good (every pending call, every later `send` and `receive_data`): a line
-over the limit, and a reply while no call is pending (an ``ERR`` then is the server
-refusing the connection, such as ``ERR limit``, and fails it as that `ClientError`).
+later `send` with `Unreachable`. A line the session cannot read puts the stream out of
+step (was it a reply? to which call?) and fails the session for good with
+`RemoteProtocolError`: every pending call, every later `send` and `receive_data` (the
+lines before it in the same data are taken first). Such lines are a malformed line, a
+line over the limit, and a reply while no call is pending (an ``ERR`` then is the server
+refusing the connection, such as ``ERR limit``, and fails it as that `ClientError`). One
+line is not malformed: a well-formed line whose verb is unknown (upper case, not ``OK`` or
+``ERR``) is an event of a newer server (the contract: events may come at any time and are
+never replies), and is skipped (counted in `skipped`).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +89,7 @@ __all__ = ["Call", "ClientSession", "Turn"]
 
 T = TypeVar("T")
 Failure = Callable[[], Exception]
+_VERB = re.compile(rb"[A-Z][A-Z0-9_]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -132,8 +140,10 @@ class Call(Generic[T]):
     def abandon(self) -> None:
         """The caller stopped waiting for the reply (a timeout, a cancellation). The reply
         is dropped when it comes; a turn the ACQUIRE was (or is later) granted is released
-        by the session (module docstring): the transport writes `data_to_send` next. A call
-        still held back is never written. No effect once `result` was asked for."""
+        by the session once that grant is read (module docstring): the transport writes
+        `data_to_send` next, and reads while `ClientSession.has_abandoned_acquire` if it
+        wants the turn back before its next call. A call still held back is never
+        written. No effect once `result` was asked for."""
         if self._abandoned or self._delivered or self._session is None:
             return
         self._abandoned = True
@@ -186,13 +196,15 @@ class ClientSession:
 
     `workload` is the name a request uses when it is given none (set by `register`);
     `events` holds the non-reply lines not yet taken; `on_event`, when set, is called with
-    each of them as it is queued (synchronously: it must not block).
+    each of them as it is queued (synchronously: it must not block); `skipped` counts the
+    lines of unknown verbs that were skipped (module docstring).
     """
 
     def __init__(self, workload: str | None = None, max_line: int = MAX_SERVER_LINE) -> None:
         self.workload = workload
         self.events: deque[ServerMessage] = deque()
         self.on_event: Callable[[ServerMessage], None] | None = None
+        self.skipped = 0
         self._buffer = LineBuffer(max_line)
         self._pending: deque[Call[Any]] = deque()  # in the order their lines go out
         self._outbox: deque[Call[Any]] = deque()  # pending, line not handed out yet
@@ -216,6 +228,14 @@ class ClientSession:
         data = b"".join(call.line for call in self._outbox)
         self._outbox.clear()
         return data
+
+    @property
+    def has_abandoned_acquire(self) -> bool:
+        """An abandoned ACQUIRE still waits for its reply: should it be a grant, the daemon
+        counts that turn as this connection's until the grant is read (and its RELEASE,
+        then owed, written). A transport that wants the turn given back as soon as it is
+        granted reads the connection until this is False."""
+        return self._acquire_abandoned()
 
     @property
     def failed(self) -> bool:
@@ -341,8 +361,9 @@ class ClientSession:
         """Take bytes read from the connection: complete the calls their replies answer
         and queue (and return) the other lines they complete.
 
-        Raises `RemoteProtocolError` for a malformed line (after taking the rest of
-        `data`), or the session's failure when it failed (module docstring).
+        Raises the session's failure when it failed, now or before: `RemoteProtocolError`
+        for a line it cannot read (the lines before it were taken), `ClientError` for an
+        ``ERR`` that answers no request (module docstring).
         """
         if self._failure is not None:
             raise self._failure()
@@ -352,16 +373,10 @@ class ClientSession:
             self._break(_remote(exc.code, f"from the server: {exc.message}"))
             raise self._failure_now() from None
         new: list[ServerMessage] = []
-        first: RemoteProtocolError | None = None
         for raw in lines:
-            try:
-                self._take(raw, new)
-            except RemoteProtocolError as exc:
-                first = first or exc
+            self._take(raw, new)
             if self._failure is not None:
                 raise self._failure_now()
-        if first is not None:
-            raise first
         return new
 
     def receive_eof(self) -> None:
@@ -386,14 +401,12 @@ class ClientSession:
         try:
             msg = parse_server_line(raw)
         except ProtocolError as exc:
-            if _is_reply(raw) and self._pending:
-                call = self._pending.popleft()
-                text = f"{_verb(call.request)}: malformed reply: {exc.message}"
-                call._fail(_remote(exc.code, text))
-                self._answered(call)
-            elif _is_reply(raw):
-                self._break(_remote(exc.code, f"a malformed reply to nothing: {exc.message}"))
-            raise RemoteProtocolError(exc.code, f"from the server: {exc.message}") from None
+            if exc.code == ErrorCode.UNKNOWN_VERB and _unknown_event(raw):
+                self.skipped += 1  # a newer server's event: never a reply, so still in step
+                return
+            what = "reply" if _is_reply(raw) else "line"
+            self._break(_remote(exc.code, f"a malformed {what} from the server: {exc.message}"))
+            return
         if isinstance(msg, Ok | Err):
             if self._pending:
                 call = self._pending.popleft()
@@ -442,6 +455,13 @@ def _names(request: Request) -> str | None:
 def _is_reply(raw: bytes) -> bool:
     verb = raw.rstrip(b"\r").partition(b" ")[0]
     return verb in (b"OK", b"ERR")
+
+
+def _unknown_event(raw: bytes) -> bool:
+    # parse_server_line said unknown-verb: the line decoded, it is not blank, and its
+    # first token (nothing before it: " OK" is malformed) is no server verb it knows.
+    verb = raw.rstrip(b"\r").partition(b" ")[0]
+    return _VERB.fullmatch(verb) is not None
 
 
 def _remote(code: ErrorCode, text: str) -> Failure:

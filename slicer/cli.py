@@ -12,10 +12,12 @@ no daemon ran are not replayed). `watch --once` ends with the stream instead (ex
 Every command that prints data takes `--json` for scripts (`demo` passes it to the demo).
 Times are shown in local time. A failure is one line on stderr, ``slicerctl: error: WHAT
 (WHAT TO DO)``, never a traceback. Exit codes: 0 success, 1 the daemon answered ERR (or
-sent a line we could not parse), 64 (EX_USAGE) usage error, 69 (EX_UNAVAILABLE) the daemon
-cannot be reached or stopped answering, 77 (EX_NOPERM) permission denied on its socket,
-70 (EX_SOFTWARE) an internal error; `run` exits with the launcher's codes (the child's own,
-69, 70, 78, ...), `demo` with the demo's.
+sent a line we could not parse), 64 (EX_USAGE) usage error (bare `slicerctl`: the help on
+stderr; a socket path too long for a Unix socket), 69 (EX_UNAVAILABLE) the daemon cannot
+be reached or stopped answering, 74 (EX_IOERR) the output could not be written (a full
+disk), 77 (EX_NOPERM) permission denied on its socket, 70 (EX_SOFTWARE) an internal error;
+a reader that goes away (`slicerctl status | head -1`) ends it quietly with 0. `run` exits
+with the launcher's codes (the child's own, 69, 70, 78, ...), `demo` with the demo's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -39,7 +42,13 @@ from click.shell_completion import BashComplete, ShellComplete, ZshComplete
 
 from gpu_slicer import proto
 from gpu_slicer.slicer.client import ClientError, Slicer, Unreachable, socket_path
-from gpu_slicer.slicer.exits import EX_NOPERM, EX_UNAVAILABLE, CliFailure, OneLineGroup
+from gpu_slicer.slicer.exits import (
+    EX_NOPERM,
+    EX_UNAVAILABLE,
+    EX_USAGE,
+    CliFailure,
+    OneLineGroup,
+)
 
 REPLY_TIMEOUT = 30.0  # seconds to wait for a reply to PING/STATUS/WATCH
 # watch's reconnection: each attempt (connect + WATCH) is bounded by RECONNECT_TIMEOUT; the
@@ -55,6 +64,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 UNREACHABLE_HINT = "is slicerd running? check `systemctl status slicer`, or pass --socket"
+SUN_PATH_MAX = 107  # bytes of a Unix socket path (sun_path is 108, NUL included)
 
 
 def _fail(code: int, message: str) -> NoReturn:
@@ -70,6 +80,12 @@ def _why(e: Unreachable) -> str:
 
 def _connect(path: str, timeout: float) -> Slicer:
     """A connection to slicerd at `path`, or `CliFailure` saying why there is none."""
+    if len(os.fsencode(path)) > SUN_PATH_MAX:
+        _fail(
+            EX_USAGE,
+            f"socket path is {len(os.fsencode(path))} bytes, longer than a Unix socket path "
+            f"may be ({SUN_PATH_MAX}) (give a shorter --socket or SLICER_SOCKET)",
+        )
     try:
         return Slicer(path, timeout=timeout)
     except Unreachable as e:
@@ -79,7 +95,20 @@ def _connect(path: str, timeout: float) -> Slicer:
                 f"permission denied on slicerd's socket {path} (join the socket's group, "
                 "see socket_group in slicer.toml, or run as root)",
             )
+        if _not_a_socket(path):
+            _fail(
+                EX_UNAVAILABLE,
+                f"cannot reach slicerd at {path}: it is not a socket (check --socket and "
+                "SLICER_SOCKET: slicerd's socket is the path it logs at start)",
+            )
         _fail(EX_UNAVAILABLE, f"cannot reach slicerd at {path}: {_why(e)} ({UNREACHABLE_HINT})")
+
+
+def _not_a_socket(path: str) -> bool:
+    try:
+        return not stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False  # absent or unreachable: the connect's own reason says it
 
 
 @contextlib.contextmanager
@@ -252,6 +281,10 @@ def format_event(body: dict[str, Any], at: datetime) -> str:
 @click.pass_context
 def main(ctx: click.Context, sock: str | None) -> None:
     """Inspect and use a running slicerd: its GPUs, workloads, turns and events."""
+    if sock == "":  # never silently the default socket instead
+        raise click.BadParameter(
+            "is empty: give slicerd's socket path, or leave it out", param_hint="'--socket'"
+        )
     ctx.obj = socket_path(sock)
 
 

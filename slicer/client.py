@@ -8,11 +8,22 @@ to `on_event`), and which exception a failure is. So they have the same methods 
 same signatures and raise alike: `ClientError` on ERR (`code` is the wire code), `Faulted`
 when a FAULT arrived while a request waited (its reply was read first), `Unreachable` when
 the daemon cannot be reached or the connection dropped, `proto.RemoteProtocolError` for a
-daemon that broke the protocol. A `timeout` that passes raises the loop's own error:
-`TimeoutError` (blocking and asyncio), `trio.TooSlowError` (trio); the request is abandoned
-in the session (its late reply is dropped, so the connection stays in step, and a turn its
-ACQUIRE was granted meanwhile is released at once: `proto.Call.abandon`). An async task
-cancelled while it waits abandons its call the same way. A trainer needs two lines:
+daemon that broke the protocol (a line it cannot read: the connection is then out of step,
+so it is closed and every later call raises the same at once). A `timeout` that passes
+raises the loop's own error: `TimeoutError` (blocking and asyncio), `trio.TooSlowError`
+(trio); the request is abandoned in the session (its late reply is dropped, so the
+connection stays in step: `proto.Call.abandon`). An async task cancelled while it waits
+abandons its call the same way.
+
+An abandoned ACQUIRE stays queued in slicerd (the protocol cannot withdraw it), and slicerd
+counts its late grant as a turn of this connection until the client reads that grant and
+RELEASEs it. The async clients read for it in the background as soon as the ACQUIRE is
+abandoned (a task the client owns, a trio system task; `aclose` ends it), so the turn is
+given back as soon as it is granted. The blocking `Slicer` has no background reader: it
+gives the turn back at its next call (or `close`), so a blocking program that gives up an
+ACQUIRE and then computes holds the GPU meanwhile. To give up without that, bound the wait
+in slicerd instead: ``acquire(wait=S)`` / ``turn(wait=S)`` (``ERR timeout``, nothing late),
+or make another call, or close. A trainer needs two lines:
 
     s = Slicer.from_env()                 # SLICER_SOCKET / SLICER_WORKLOAD from slicer-launch
     with s.turn():                        # blocks until granted, always releases
@@ -150,7 +161,12 @@ class Slicer(SessionView):
         try:
             self._session.receive_data(data)
         finally:
-            self._flush()  # what the replies made the session owe (a RELEASE, held calls)
+            if self._session.failed:
+                # Out of step for good (a line it could not read): closing lets the daemon
+                # end what this connection held, instead of at `close`.
+                self._sock.close()
+            else:
+                self._flush()  # what the replies made the session owe (a RELEASE, held calls)
 
     def _flush(self) -> None:
         data = self._session.data_to_send()

@@ -4,7 +4,8 @@ Import it from `gpu_slicer.slicer.client`, whose docstring says what the clients
 (methods, exceptions, timeouts). It is `client_trio.AsyncSlicer` call for call, under
 asyncio: a timeout raises `TimeoutError`, and a task cancelled while it waits abandons its
 call as a timeout does (the late reply is dropped; a turn granted to an abandoned ACQUIRE
-is released).
+is released as soon as it is granted: a task of the client reads for it, and `aclose`
+cancels it and waits for it).
 
 How it differs inside, and why. asyncio's `StreamWriter.write` hands every byte to the
 transport at once (it never blocks and cannot be cut off), so each request line is
@@ -19,9 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Self, TypeVar
 
 from gpu_slicer import proto
 from gpu_slicer.proto import Turn, Unreachable
@@ -31,7 +31,6 @@ from gpu_slicer.slicer.client_common import (
     RELEASE_TIMEOUT,
     WRITE_TIMEOUT,
     release_stuck,
-    socket_path,
 )
 
 __all__ = ["AsyncioSlicer"]
@@ -59,37 +58,31 @@ class AsyncioSlicer(AsyncCalls):
         self.release_timeout = RELEASE_TIMEOUT
         self._session = proto.ClientSession(workload)
         self._recv_lock = asyncio.Lock()
+        self._reader_task: asyncio.Task[None] | None = None  # `_read_until_answered`
 
     @classmethod
-    async def connect(
-        cls, path: str | None = None, workload: str | None = None, timeout: float = 30.0
-    ) -> AsyncioSlicer:
-        """Connect to the daemon's socket; `workload` defaults to $SLICER_WORKLOAD."""
-        where = socket_path(path)
-        try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_unix_connection(where)
-        except OSError as e:  # TimeoutError included
-            raise Unreachable(f"cannot connect to {where}: {str(e) or 'timed out'}") from e
-        return cls(reader, writer, workload or os.environ.get("SLICER_WORKLOAD"))
+    async def _open(cls, where: str, workload: str | None, timeout: float) -> Self:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_unix_connection(where)
+        return cls(reader, writer, workload)
 
-    @classmethod
-    async def from_env(cls) -> AsyncioSlicer:
-        """Connect using SLICER_SOCKET and SLICER_WORKLOAD (set by slicer-launch)."""
-        return await cls.connect()
-
-    async def __aenter__(self) -> AsyncioSlicer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the connection (the daemon then ends our turn and registrations)."""
-        self._session.connection_lost("the client closed the connection")
+    async def _close(self) -> None:
+        task, self._reader_task = self._reader_task, None
+        if task is not None:
+            task.cancel()
         self._writer.close()
+        if task is not None:
+            await asyncio.wait([task])  # raises only the caller's own cancellation
         with contextlib.suppress(OSError):  # a reset connection is closed all the same
             await self._writer.wait_closed()
+
+    async def _send(self, make: Callable[[], proto.Call[T]]) -> proto.Call[T]:
+        call = make()
+        self._send_owed()
+        return call
+
+    async def _flush(self) -> None:
+        self._send_owed()  # never suspends: no cancellation can cut it off
 
     def _send_owed(self) -> None:
         # Synchronous, so whole and in order whatever happens to the calling task next.
@@ -105,47 +98,34 @@ class AsyncioSlicer(AsyncCalls):
         except OSError as e:
             self._session.connection_lost(f"connection lost: {e}")
 
-    async def _pump(self, ready: Callable[[], bool]) -> None:
-        # One reader at a time; asyncio.Lock is fair (FIFO), so a task whose reply another
-        # task read gets the lock next, sees `ready` and returns without reading.
-        while not ready() and not self._session.failed:
-            try:
-                async with self._recv_lock:
-                    if ready() or self._session.failed:
-                        return
-                    try:
-                        data = await self._reader.read(RECV_SIZE)
-                    except OSError as e:
-                        self._session.connection_lost(f"connection lost: {e}")
-                        return
-                    if data:
-                        self._session.receive_data(data)
-                    else:
-                        self._session.receive_eof()
-            finally:
-                # Whoever read a grant nobody waits for writes its RELEASE now (and the
-                # calls held behind it).
-                self._send_owed()
-
-    async def _call(self, make: Callable[[], proto.Call[T]], timeout: float | None) -> T:
-        call = make()
-        self._send_owed()
+    async def _receive(self) -> bytes | bytearray | None:
         try:
-            async with asyncio.timeout(timeout):
-                await self._drain()
-                await self._pump(lambda: call.done)
-        except BaseException:
-            call.abandon()  # its reply is dropped; a turn it was granted is given back
-            self._send_owed()
-            raise
-        return call.result()
+            return await self._reader.read(RECV_SIZE)
+        except OSError as e:
+            self._session.connection_lost(f"connection lost: {e}")
+            return None
 
-    async def next_message(self, timeout: float | None = None) -> proto.ServerMessage:
-        """The next non-reply line (queued ones first); None `timeout` waits forever."""
+    async def _close_now(self) -> None:
+        self._writer.close()
+
+    async def _within(self, timeout: float | None, work: Awaitable[T]) -> T:
         async with asyncio.timeout(timeout):
-            while (msg := self._session.next_event()) is None:
-                await self._pump(lambda: bool(self._session.events))
-        return msg
+            return await work
+
+    async def _reply(self, call: proto.Call[Any]) -> None:
+        await self._drain()
+        await super()._reply(call)
+
+    def _watch_late_grant(self) -> None:
+        # Called where a call was abandoned: an ACQUIRE given up may still be granted, and
+        # slicerd counts that turn as ours until the grant is read. Read for it now, not
+        # at the next call (which may be minutes of the caller's work away).
+        if self._session.has_abandoned_acquire and (
+            self._reader_task is None or self._reader_task.done()
+        ):
+            self._reader_task = asyncio.get_running_loop().create_task(
+                self._read_until_answered(), name="slicer: read for an abandoned ACQUIRE"
+            )
 
     async def _end_turn(self, t: Turn, park: str, loud: bool) -> None:
         if await _shielded(self._release_within(t, park)) and loud:

@@ -2,15 +2,20 @@
 
 Import it from `gpu_slicer.slicer.client`, whose docstring says what both clients share
 (methods, exceptions, timeouts); `Slicer` there is the blocking twin.
+
+An ACQUIRE abandoned (its caller cancelled or timed out) may still be granted, and slicerd
+counts that turn as this connection's until the grant is read. So the client reads for it
+right away, in a trio system task (`trio.lowlevel.spawn_system_task`: no nursery of the
+caller's is at hand, and asking for one would change `connect`) that it owns: the task
+ends once the ACQUIRE is answered (a grant's RELEASE written), `aclose` cancels it and waits
+for it, and it never raises (a failure goes to the session, which every call then raises).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Self, TypeVar
 
 import trio
 
@@ -22,16 +27,11 @@ from gpu_slicer.slicer.client_common import (
     RELEASE_TIMEOUT,
     WRITE_TIMEOUT,
     release_stuck,
-    socket_path,
 )
 
 __all__ = ["WRITE_TIMEOUT", "AsyncSlicer"]
 
 T = TypeVar("T")
-
-
-def _bound(timeout: float | None) -> contextlib.AbstractContextManager[trio.CancelScope]:
-    return trio.fail_after(math.inf if timeout is None else timeout)
 
 
 class AsyncSlicer(AsyncCalls):
@@ -48,57 +48,38 @@ class AsyncSlicer(AsyncCalls):
         self._session = proto.ClientSession(workload)
         self._send_lock = trio.Lock()
         self._recv_lock = trio.Lock()
+        self._reader: tuple[trio.CancelScope, trio.Event] | None = None  # _read_for_late_grant
 
     @classmethod
-    async def connect(
-        cls, path: str | None = None, workload: str | None = None, timeout: float = 30.0
-    ) -> AsyncSlicer:
-        """Connect to the daemon's socket; `workload` defaults to $SLICER_WORKLOAD."""
-        where = socket_path(path)
+    async def _open(cls, where: str, workload: str | None, timeout: float) -> Self:
+        with trio.move_on_after(timeout):
+            return cls(await trio.open_unix_socket(where), workload)
+        raise TimeoutError
+
+    async def _close(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader[0].cancel()
         try:
-            with trio.fail_after(timeout):
-                stream = await trio.open_unix_socket(where)
-        except (OSError, trio.TooSlowError) as e:
-            raise Unreachable(f"cannot connect to {where}: {str(e) or 'timed out'}") from e
-        return cls(stream, workload or os.environ.get("SLICER_WORKLOAD"))
+            await self._stream.aclose()
+        finally:
+            if reader is not None:
+                with trio.CancelScope(shield=True):  # cancelled, it ends at once
+                    await reader[1].wait()
 
-    @classmethod
-    async def from_env(cls) -> AsyncSlicer:
-        """Connect using SLICER_SOCKET and SLICER_WORKLOAD (set by slicer-launch)."""
-        return await cls.connect()
+    async def _receive(self) -> bytes | bytearray | None:
+        try:
+            return await self._stream.receive_some(RECV_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            self._session.connection_lost(f"connection lost: {e}")
+            return None
 
-    async def __aenter__(self) -> AsyncSlicer:
-        return self
+    async def _close_now(self) -> None:
+        await trio.aclose_forcefully(self._stream)
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the connection (the daemon then ends our turn and registrations)."""
-        self._session.connection_lost("the client closed the connection")
-        await self._stream.aclose()
-
-    async def _pump(self, ready: Callable[[], bool]) -> None:
-        # One reader at a time; trio.Lock is fair, so a task whose reply another task
-        # read gets the lock next, sees `ready` and returns without reading.
-        while not ready() and not self._session.failed:
-            try:
-                async with self._recv_lock:
-                    if ready() or self._session.failed:
-                        return
-                    try:
-                        data = await self._stream.receive_some(RECV_SIZE)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                        self._session.connection_lost(f"connection lost: {e}")
-                        return
-                    if data:
-                        self._session.receive_data(data)
-                    else:
-                        self._session.receive_eof()
-            finally:
-                # Whoever read a grant nobody waits for writes its RELEASE now (and the
-                # calls held behind it), outside the read lock.
-                await self._flush()
+    async def _within(self, timeout: float | None, work: Awaitable[T]) -> T:
+        with trio.fail_after(math.inf if timeout is None else timeout):
+            return await work
 
     async def _write(self, data: bytes) -> None:
         # Under the send lock. Once begun, lines are written whole (shielded, bounded):
@@ -122,26 +103,40 @@ class AsyncSlicer(AsyncCalls):
             async with self._send_lock:
                 await self._write(self._session.data_to_send())
 
-    async def _call(self, make: Callable[[], proto.Call[T]], timeout: float | None) -> T:
+    async def _send(self, make: Callable[[], proto.Call[T]]) -> proto.Call[T]:
         async with self._send_lock:
             await trio.lowlevel.checkpoint_if_cancelled()  # nothing sent for a cancelled caller
             call = make()
             await self._write(self._session.data_to_send())
-        try:
-            with _bound(timeout):
-                await self._pump(lambda: call.done)
-        except BaseException:
-            call.abandon()  # its reply is dropped; a turn it was granted is given back
-            await self._flush()
-            raise
-        return call.result()
+        return call
 
-    async def next_message(self, timeout: float | None = None) -> proto.ServerMessage:
-        """The next non-reply line (queued ones first); None `timeout` waits forever."""
-        with _bound(timeout):
-            while (msg := self._session.next_event()) is None:
-                await self._pump(lambda: bool(self._session.events))
-        return msg
+    def _watch_late_grant(self) -> None:
+        # Called where a call was abandoned: an ACQUIRE given up may still be granted, and
+        # slicerd counts that turn as ours until the grant is read. Read for it now, not
+        # at the next call (which may be minutes of the caller's work away). A trio system
+        # task, as no nursery of the caller's is at hand; it belongs to this client: it
+        # ends when the ACQUIRE is answered, and `aclose` cancels it and waits for it.
+        if self._session.has_abandoned_acquire and self._reader is None:
+            self._reader = (trio.CancelScope(), trio.Event())
+            trio.lowlevel.spawn_system_task(
+                self._read_for_late_grant,
+                *self._reader,
+                name="slicer: read for an abandoned ACQUIRE",
+            )
+
+    async def _read_for_late_grant(self, scope: trio.CancelScope, done: trio.Event) -> None:
+        # A system task must not raise (trio would end the whole run): the shared reading
+        # never does.
+        try:
+            with scope:
+                # Its loop is checked again with no checkpoint before `finally`: an ACQUIRE
+                # abandoned while `_pump` flushed found this task still running and started
+                # none.
+                await self._read_until_answered()
+        finally:
+            if self._reader is not None and self._reader[0] is scope:
+                self._reader = None
+            done.set()
 
     async def _end_turn(self, t: Turn, park: str, loud: bool) -> None:
         with trio.CancelScope(shield=True):

@@ -2,6 +2,11 @@
 
 Precedence: flag > environment (`SLICER_SOCKET`) > file > default. Unknown keys and bad
 values are refused with a message naming the key, so a typo never silently changes policy.
+A malformed or out-of-range value given as a flag is a `FlagError` (slicerd exits 64, a
+usage error); the same value in the file, and a flag of `HOST_KEYS` (what names things of
+this host: a GPU backend, a group, the metrics address), a plain `ConfigError` (78). The
+file must be a regular file of at most `MAX_CONFIG_BYTES` (a FIFO or a device would block
+or never end).
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import grp
 import os
+import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +25,15 @@ from gpu_slicer.slicer.gpu import check_backend_name
 
 DEFAULT_CONFIG = Path("/etc/slicer/slicer.toml")
 DEFAULT_SOCKET = "/run/slicer/slicer.sock"
+MAX_CONFIG_BYTES = 1 << 20
+# Keys whose value names something of this host (a plugin, a group, an address to bind;
+# it may be right on another host): a bad one is a configuration error even as a flag,
+# as the metrics address's other failures (a host that does not resolve) are.
+HOST_KEYS = frozenset({"gpu_backend", "socket_group", "allow_group", "metrics_listen"})
+
+
+class FlagError(ConfigError):
+    """A command-line flag has a bad value (the file and the environment are fine)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,8 @@ class Config:
 
     def validate(self) -> Config:
         """Return self, or raise ConfigError naming the first bad value."""
+        if not self.socket:
+            raise ConfigError("socket must not be empty (give a path, or leave it out)")
         for key in (
             "park_timeout",
             "restore_timeout",
@@ -130,7 +147,8 @@ def _coerce(key: str, value: Any) -> Any:
             return value
     except ValueError:
         pass
-    raise ConfigError(f"config key {key}: bad value {value!r} (expected {kind})")
+    expected = "an octal mode such as 660" if key == "socket_mode" else kind
+    raise ConfigError(f"config key {key}: bad value {value!r} (expected {expected})")
 
 
 def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
@@ -139,7 +157,7 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Co
     file = Path(path) if path else DEFAULT_CONFIG
     if path or file.exists():
         try:
-            doc = tomllib.loads(file.read_text())
+            doc = tomllib.loads(_read(file))
         except OSError as e:
             raise ConfigError(
                 f"cannot read config {file}: {e.strerror or e} (check the --config path and "
@@ -162,7 +180,60 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Co
             values[key] = _coerce(key, value)
     if os.environ.get("SLICER_SOCKET"):
         values["socket"] = os.environ["SLICER_SOCKET"]
+    flags: dict[str, Any] = {}
     for key, value in (overrides or {}).items():
         if value is not None:
-            values[key] = _coerce(key, value)
-    return Config(**values).validate()
+            try:
+                flags[key] = _coerce(key, value)
+            except ConfigError as e:
+                raise FlagError(f"Invalid value for {_flag(key)}: {e}") from None
+    try:
+        return Config(**{**values, **flags}).validate()
+    except ConfigError as e:
+        raise _blame(str(e), values, flags) from None
+
+
+def _flag(key: str) -> str:
+    return "'--" + key.replace("_", "-") + "'"
+
+
+def _blame(why: str, values: dict[str, Any], flags: dict[str, Any]) -> ConfigError:
+    # Whose value is `why` about? The file's (and the environment's) when they alone fail
+    # the same way; else the flag whose key, left at its default, makes the failure go.
+    # Only on a failure, so validating a few more times costs nothing that matters.
+    def fails(settings: dict[str, Any]) -> str | None:
+        try:
+            Config(**settings).validate()
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    if not flags or fails(values) == why:
+        return ConfigError(why)
+    merged = {**values, **flags}
+    for key in flags:
+        if fails({k: v for k, v in merged.items() if k != key}) != why:
+            if key in HOST_KEYS:
+                return ConfigError(why)
+            return FlagError(f"Invalid value for {_flag(key)}: {why}")
+    return FlagError(why)
+
+
+def _read(file: Path) -> str:
+    # Non-blocking open: a FIFO given as --config must not wait for a writer forever.
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(21, "Is a directory")
+        if not stat.S_ISREG(mode):
+            raise ConfigError(
+                f"cannot read config {file}: not a regular file (give the path of a TOML file)"
+            )
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"cannot read config {file}: larger than {MAX_CONFIG_BYTES >> 20} MiB (is it the "
+            "right file? a slicer.toml is a few lines)"
+        )
+    return data.decode()

@@ -2,12 +2,15 @@
 
 A failure to start is one line on stderr, ``slicerd: error: WHAT (WHAT TO DO)``, never a
 traceback, and a sysexits-style exit code (README, "Running slicerd"): 0 stopped by
-SIGTERM/SIGINT; 64 a bad option or value on the command line; 69 the GPU backend's driver
-is unavailable, or another daemon listens on the socket path; 70 an internal error (a
-bug; ``--log-level debug`` logs its traceback); 78 the configuration is wrong (config
-file missing, unreadable, not TOML, an unknown key, a bad value, an unknown GPU backend,
-an unusable socket path), the state dir is unusable or owned by another slicerd, or the
-journal is unreadable (slicer.service does not restart on 78); 1 any other failure.
+SIGTERM/SIGINT; 64 a bad option or option value on the command line (the same bad value
+in the config file is 78, as is a bad flag of `config.HOST_KEYS`); 69 the GPU backend's
+driver is unavailable, or another daemon listens on the socket path or the metrics port;
+70 an internal error (a bug; ``--log-level debug`` logs its traceback); 78 the
+configuration is wrong (config file missing, unreadable, not a regular file, not TOML, an
+unknown key, a bad value, an unknown GPU backend or a ``module:attribute`` one that does
+not load, an unusable socket path, a metrics host that does not resolve), the state dir is
+unusable or owned by another slicerd, or the journal is unreadable (slicer.service does
+not restart on 78); 1 any other failure.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import click
 import trio
 
 from gpu_slicer.slicer import __version__
-from gpu_slicer.slicer.config import Config, load
+from gpu_slicer.slicer.config import Config, FlagError, load
 from gpu_slicer.slicer.errors import ConfigError, GpuBackendError, SlicerError
 from gpu_slicer.slicer.exits import (
     EX_CONFIG,
     EX_SOFTWARE,
     EX_UNAVAILABLE,
+    EX_USAGE,
     CliFailure,
     OneLineCommand,
     one_line,
@@ -56,31 +60,38 @@ async def serve(
     cfg: Config, *, discard_journal: bool = False, task_status: Any = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Run the daemon for `cfg` until SIGTERM/SIGINT or cancellation."""
-    backend = open_backend(cfg.gpu_backend)
+    try:
+        backend = open_backend(cfg.gpu_backend)
+    except GpuBackendError as e:
+        if ":" not in cfg.gpu_backend:
+            raise  # nvml or a plugin: its driver or device may come back (69)
+        # A module:attribute the operator named that does not load or start: the config.
+        raise ConfigError(f"{e} (check gpu_backend)") from e
     try:
         os.makedirs(cfg.state_dir, mode=0o750, exist_ok=True)
     except OSError as e:
         raise JournalError(f"cannot create state dir {cfg.state_dir}: {e.strerror or e}") from e
     lock = StateLock(cfg.state_dir)
     lock.acquire()  # before anything reads the journal: one owner per state dir
-    journal = Journal(cfg.state_dir, fsync=cfg.journal_fsync)
-    if discard_journal and (aside := journal.discard()) is not None:
-        log.warning("--discard-journal: moved %s to %s", journal.path, aside)
-    entries = journal.load()
-    devices = backend.devices()
-    limits = Limits(
-        max_workloads=cfg.max_workloads,
-        max_queue=cfg.max_queue,
-        fault_kill_after=cfg.fault_kill_after,
-        registrant_park_timeout=cfg.registrant_park_timeout,
-        foreign_blocks=cfg.foreign == "block",
-        max_connections=cfg.max_connections,
-        max_connections_per_uid=cfg.max_connections_per_uid,
-        reserved_connections=cfg.reserved_connections,
-    )
-    sm = SlicerState([(d.index, d.uuid) for d in devices], limits)
-    listener, owned = open_listener(cfg.socket, cfg.socket_mode, cfg.socket_group)
-    try:
+    owned = False
+    try:  # from here on, every way out releases the lock (a failed start included)
+        journal = Journal(cfg.state_dir, fsync=cfg.journal_fsync)
+        if discard_journal and (aside := journal.discard()) is not None:
+            log.warning("--discard-journal: moved %s to %s", journal.path, aside)
+        entries = journal.load()
+        devices = backend.devices()
+        limits = Limits(
+            max_workloads=cfg.max_workloads,
+            max_queue=cfg.max_queue,
+            fault_kill_after=cfg.fault_kill_after,
+            registrant_park_timeout=cfg.registrant_park_timeout,
+            foreign_blocks=cfg.foreign == "block",
+            max_connections=cfg.max_connections,
+            max_connections_per_uid=cfg.max_connections_per_uid,
+            reserved_connections=cfg.reserved_connections,
+        )
+        sm = SlicerState([(d.index, d.uuid) for d in devices], limits)
+        listener, owned = open_listener(cfg.socket, cfg.socket_mode, cfg.socket_group)
         # Signals are caught before READY=1: a SIGTERM right after it must still stop
         # the daemon cleanly (socket removed, lock released), never by the default action.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -142,7 +153,9 @@ async def _watchdog(every: float) -> None:
     type=float,
     help="A grant check may reuse a clean GPU reading this young (default 20; 0: always read).",
 )
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option(
+    "--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False)
+)
 @click.option(
     "--metrics-listen",
     help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off).",
@@ -156,6 +169,8 @@ def main(config_path: str | None, discard_journal: bool, **flags: Any) -> None:
     """Grant exclusive, connection-bound GPU turns over a Unix socket."""
     try:
         cfg = load(config_path, flags)
+    except FlagError as e:
+        raise CliFailure(f"{e} (see 'slicerd --help')", EX_USAGE) from None
     except SlicerError as e:
         raise CliFailure(str(e), EX_CONFIG) from None
     logging.basicConfig(

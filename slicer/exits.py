@@ -6,10 +6,19 @@ Each entry point runs its click command through `run_command` (or is declared wi
 ``cls=OneLineCommand``/``cls=OneLineGroup``, whose standalone ``main()``, the console
 script's and click's ``CliRunner``'s, is `run_command`), and raises `CliFailure` (or a
 subclass of click's `ClickException`/`UsageError`) for a failure it knows.
+
+A command given no arguments where it needs some (bare ``slicerctl``, bare
+``slicer-launch``) prints its help to stderr and exits 64. Output that cannot be written is
+no bug: a reader that went away (``slicerctl status | head -1``, a broken pipe) ends the
+command quietly with 0, and any other write failure on stdout (``>/dev/full``) is one line
+and exit 74 (EX_IOERR).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import sys
 from collections.abc import Sequence
 from typing import IO, Any, NoReturn
@@ -20,6 +29,7 @@ __all__ = [
     "EX_CANTCREAT",
     "EX_CONFIG",
     "EX_DATAERR",
+    "EX_IOERR",
     "EX_NOINPUT",
     "EX_NOPERM",
     "EX_OK",
@@ -44,6 +54,7 @@ EX_UNAVAILABLE = 69  # a service it needs (slicerd, a port, the replica) is unav
 EX_SOFTWARE = 70  # an internal error (a bug); the launcher also uses 70 for a FAULT
 EX_OSERR = 71  # the operating system refused something (fork, a socket)
 EX_CANTCREAT = 73  # cannot create an output file or directory
+EX_IOERR = 74  # an output could not be written (stdout on a full disk, say)
 EX_TEMPFAIL = 75  # a bounded wait ran out: retrying later may work
 EX_NOPERM = 77  # permission denied
 EX_CONFIG = 78  # configuration is wrong or refused (includes a refused REGISTER)
@@ -71,7 +82,9 @@ def single_error(exc: BaseException) -> BaseException:
 
 
 def _say(prog: str, text: str, out: IO[str] | None = None) -> None:
-    print(f"{prog}: error: {one_line(text)}", file=out or sys.stderr, flush=True)
+    # When stderr itself cannot be written, the exit code is all that is left.
+    with contextlib.suppress(OSError):
+        print(f"{prog}: error: {one_line(text)}", file=out or sys.stderr, flush=True)
 
 
 def run_command(
@@ -79,11 +92,14 @@ def run_command(
 ) -> NoReturn:
     """Run ``command`` (click, non-standalone) and exit with one line on any failure.
 
-    Usage errors exit 64 with a pointer to ``--help``; `CliFailure` and other
-    `ClickException`s print their message with their code; Ctrl-C exits 130; anything
-    unexpected (a bug) prints its type and text on one line and exits 70. `extra` goes to
-    click's ``main`` (``complete_var``, context settings).
+    Usage errors exit 64 with a pointer to ``--help`` (no arguments at all: the help, on
+    stderr, and 64); `CliFailure` and other `ClickException`s print their message with
+    their code; Ctrl-C exits 130; a broken pipe on stdout exits 0 quietly, another failed
+    write to stdout is one line and 74; anything unexpected (a bug) prints its type and text
+    on one line and exits 70. `extra` goes to click's ``main`` (``complete_var``, context
+    settings).
     """
+    stdout = sys.stdout
     try:
         rv = command.main(
             args=list(args) if args is not None else None,
@@ -91,6 +107,10 @@ def run_command(
             standalone_mode=False,
             **extra,
         )
+    except click.exceptions.NoArgsIsHelpError as e:
+        # Its message is the whole help: shown as help, not folded into an error line.
+        click.echo(e.format_message(), err=True)
+        sys.exit(EX_USAGE)
     except click.UsageError as e:
         hint = f"see '{prog} --help'" if e.ctx is None else f"see '{e.ctx.command_path} --help'"
         _say(prog, f"{e.format_message()} ({hint})")
@@ -101,12 +121,56 @@ def run_command(
     except (KeyboardInterrupt, click.exceptions.Abort):
         print(file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:
+        _quiet_stdout()
+        sys.exit(EX_OK)
     except SystemExit:
+        if sys.stdout is not stdout:
+            # click caught an EPIPE on stdout and swapped in its flush-pacifying wrapper
+            # before exiting 1: the reader left, which is no failure of ours.
+            _quiet_stdout()
+            sys.exit(EX_OK)
         raise
+    except OSError as e:
+        if not _from_echo(e):
+            _say(prog, f"internal error: {type(e).__name__}: {e} (a bug; please report it)")
+            sys.exit(EX_SOFTWARE)
+        _quiet_stdout()
+        _say(prog, f"cannot write the output: {e.strerror or e} (check where stdout goes)")
+        sys.exit(EX_IOERR)
     except Exception as e:  # a bug: still one line, and the code that says so
         _say(prog, f"internal error: {type(e).__name__}: {e} (a bug; please report it)")
         sys.exit(EX_SOFTWARE)
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _from_echo(e: BaseException) -> bool:
+    # An OSError is the output's failure when it was raised writing the output: every
+    # command prints through click.echo. (Probing stdout afterwards tells nothing: a
+    # failed flush drops its buffer, so the next flush succeeds.)
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is click.echo.__code__:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _quiet_stdout() -> None:
+    # The interpreter flushes stdout once more at exit; pointing its descriptor at
+    # /dev/null keeps that flush from printing "Exception ignored ..." to stderr.
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # no descriptor (click's CliRunner): nothing is flushed at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    except OSError as e:
+        if e.errno != errno.EBADF:
+            raise
+    finally:
+        os.close(devnull)
 
 
 class _OneLine:

@@ -1,4 +1,9 @@
-"""The daemon's listening socket: bound here, or adopted from systemd socket activation."""
+"""The daemon's listening socket: bound here, or adopted from systemd socket activation.
+
+A socket file already at the path is probed: nobody answering (refused) means stale, and
+it is replaced; a daemon that accepts, or one too busy to accept within `PROBE_TIMEOUT`
+(its backlog full, or stuck), means busy (`SocketBusy`): never two daemons on one path.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import trio
 from gpu_slicer.slicer.errors import ConfigError
 
 SD_LISTEN_FDS_START = 3
+PROBE_TIMEOUT = 1.0  # seconds a connect to an existing socket file may take
 
 
 class SocketBusy(ConfigError):
@@ -37,21 +43,35 @@ def _adopted() -> socket.socket | None:
 
 def _bind(path: str, mode: int, group: str | None) -> socket.socket:
     parent = os.path.dirname(os.path.abspath(path))
+    blocker = _not_a_directory(parent)
+    if blocker is not None:
+        raise ConfigError(
+            f"cannot listen on {path}: {blocker} is not a directory (choose another --socket)"
+        )
     os.makedirs(parent, mode=0o755, exist_ok=True)
+    busy = SocketBusy(
+        f"another daemon is listening on {path} (stop it, or give this one its own --socket)"
+    )
     with contextlib.suppress(FileNotFoundError):
         st = os.lstat(path)
         if not stat.S_ISSOCK(st.st_mode):
-            raise ConfigError(f"{path} exists and is not a socket")
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a socket"
+            raise ConfigError(
+                f"{path} exists and is {what} (remove it if it is left over, or choose "
+                "another --socket)"
+            )
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(PROBE_TIMEOUT)
         try:
             probe.connect(path)
+        except (TimeoutError, BlockingIOError):
+            # Alive but not accepting (a full backlog answers EAGAIN at once, a stuck
+            # accept loop lets the connect time out): still not ours to take.
+            raise busy from None
         except OSError:
             os.unlink(path)  # stale: nobody listens
         else:
-            raise SocketBusy(
-                f"another daemon is listening on {path} (stop it, or give this one its own "
-                "--socket)"
-            )
+            raise busy
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -72,6 +92,18 @@ def _bind(path: str, mode: int, group: str | None) -> socket.socket:
     sock.listen(1024)
     sock.setblocking(False)
     return sock
+
+
+def _not_a_directory(path: str) -> str | None:
+    # The nearest existing ancestor of `path`, when it is not a directory (makedirs would
+    # say only "File exists").
+    while True:
+        if os.path.lexists(path):
+            return None if os.path.isdir(path) else path
+        up = os.path.dirname(path)
+        if up == path:
+            return None
+        path = up
 
 
 def open_listener(path: str, mode: int, group: str | None) -> tuple[trio.SocketListener, bool]:

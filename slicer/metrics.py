@@ -13,14 +13,18 @@ daemon has its own `CollectorRegistry` (never the process-global one), and two f
   so a scraper in a loop costs the backend at most one reading per interval).
 
 The series (all names start with ``slicer_``; ``gpu`` is the GPU index) are listed in
-README.md, "Metrics".
+README.md, "Metrics". The series labelled by ``workload`` live only while it is registered:
+its ``unregistered`` event removes them all, so a node that sees a new workload name per
+job keeps as many series as it has workloads, not one set per name it ever saw (and a
+scrape, rendered in the daemon's loop, stays short).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
@@ -99,6 +103,8 @@ class SlicerMetrics:
         # The park or restore in flight per GPU (its workload, and for a restore the
         # bytes it brings back): a FAULT of that workload is that move failing.
         self._moving: dict[int, tuple[str, str, int]] = {}
+        # The label sets of each workload's children in the workload-labelled series.
+        self._labelled: dict[str, set[tuple[Counter, tuple[str, ...]]]] = {}
         reg.register(_StateCollector(server))
 
     def event(self, body: dict[str, Any]) -> None:
@@ -110,15 +116,18 @@ class SlicerMetrics:
 
     def _count(self, body: dict[str, Any]) -> None:
         kind, name, index = body.get("event"), str(body.get("workload")), body.get("gpu")
+        if kind == "unregistered":
+            self._forget(name)
+            return
         if not isinstance(index, int):
             return
         gpu = str(index)
         match kind:
             case "granted":
-                self.granted.labels(gpu, name).inc()
+                self._turn(self.granted, name, gpu, name)
                 self.wait.labels(gpu).observe(int(body.get("waited_ms", 0)) / 1000)
             case "released":
-                self.ended.labels(gpu, name, str(body.get("how"))).inc()
+                self._turn(self.ended, name, gpu, name, str(body.get("how")))
             case "parking":
                 self._moving[index] = ("park", name, 0)
             case "restoring":
@@ -143,6 +152,18 @@ class SlicerMetrics:
                     failed = self.parks_failed if moving[0] == "park" else self.restores_failed
                     failed.labels(gpu).inc()
 
+    def _forget(self, name: str) -> None:
+        # Every child of a workload-labelled series, on every GPU, whatever its other
+        # labels: the workload's turn counts end with it.
+        # (Tracked here: remove_by_labels is newer than the prometheus-client we allow.)
+        for series, labels in self._labelled.pop(name, set()):
+            with contextlib.suppress(KeyError):
+                series.remove(*labels)
+
+    def _turn(self, series: Counter, name: str, *labels: str) -> None:
+        self._labelled.setdefault(name, set()).add((series, labels))
+        series.labels(*labels).inc()
+
     def _parked_bytes(self, name: str) -> int:
         w = self.server.sm.registered.get(name)
         return w.parked_bytes if w is not None else 0
@@ -150,6 +171,18 @@ class SlicerMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text of every series now, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _per_gpu(
+    rows: Iterable[tuple[int, Sequence[int]]], *series: tuple[str, str]
+) -> list[GaugeMetricFamily]:
+    # One gpu-labelled gauge family per (name, help) of `series`, each row (GPU index,
+    # values) giving the j-th family its j-th value.
+    families = [GaugeMetricFamily(name, doc, labels=["gpu"]) for name, doc in series]
+    for index, values in rows:
+        for family, value in zip(families, values, strict=True):
+            family.add_metric([str(index)], value)
+    return families
 
 
 class _StateCollector(Collector):
@@ -165,19 +198,15 @@ class _StateCollector(Collector):
         info = GaugeMetricFamily("slicer_info", "The daemon's version.", labels=["version"])
         info.add_metric([__version__], 1)
         yield info
-        queue = GaugeMetricFamily(
-            "slicer_queue_length", "Connections waiting for a turn (ACQUIRE).", labels=["gpu"]
+        yield from _per_gpu(
+            (
+                (index, (len(gpu.queue), int(gpu.holder is not None), int(gpu.op is not None)))
+                for index, gpu in sorted(sm.gpus.items())
+            ),
+            ("slicer_queue_length", "Connections waiting for a turn (ACQUIRE)."),
+            ("slicer_turn_held", "1 while a turn is held."),
+            ("slicer_gpu_operation", "1 while a park, restore, verify or recovery runs."),
         )
-        held = GaugeMetricFamily("slicer_turn_held", "1 while a turn is held.", labels=["gpu"])
-        busy = GaugeMetricFamily(
-            "slicer_gpu_operation", "1 while a park, restore, verify or recovery runs.",
-            labels=["gpu"],
-        )  # fmt: skip
-        for index, gpu in sorted(sm.gpus.items()):
-            queue.add_metric([str(index)], len(gpu.queue))
-            held.add_metric([str(index)], 0 if gpu.holder is None else 1)
-            busy.add_metric([str(index)], 0 if gpu.op is None else 1)
-        yield from (queue, held, busy)
         states = {s: 0 for s in WState}
         for w in sm.workloads():
             states[w.state] += 1
@@ -198,25 +227,14 @@ class _StateCollector(Collector):
         yield from self._bytes()
 
     def _bytes(self) -> Iterator[Metric]:
-        used = GaugeMetricFamily(
-            "slicer_gpu_used_bytes", "Device memory in use (any process).", labels=["gpu"]
+        # Each reading is (total, used, resident, foreign), the families' order.
+        yield from _per_gpu(
+            sorted(self._read().items()),
+            ("slicer_gpu_total_bytes", "Device memory."),
+            ("slicer_gpu_used_bytes", "Device memory in use (any process)."),
+            ("slicer_gpu_resident_bytes", "Device memory held by workloads' processes."),
+            ("slicer_gpu_foreign_bytes", "Device memory held by processes of no workload."),
         )
-        total = GaugeMetricFamily("slicer_gpu_total_bytes", "Device memory.", labels=["gpu"])
-        resident = GaugeMetricFamily(
-            "slicer_gpu_resident_bytes", "Device memory held by workloads' processes.",
-            labels=["gpu"],
-        )  # fmt: skip
-        foreign = GaugeMetricFamily(
-            "slicer_gpu_foreign_bytes", "Device memory held by processes of no workload.",
-            labels=["gpu"],
-        )  # fmt: skip
-        for index, (cap, in_use, res, alien) in sorted(self._read().items()):
-            gpu = [str(index)]
-            total.add_metric(gpu, cap)
-            used.add_metric(gpu, in_use)
-            resident.add_metric(gpu, res)
-            foreign.add_metric(gpu, alien)
-        yield from (total, used, resident, foreign)
 
     def _read(self) -> dict[int, tuple[int, int, int, int]]:
         # Per GPU: (capacity, used, workload-resident, foreign) bytes. A GPU the backend

@@ -5,16 +5,20 @@ endpoint is not a web framework but one small loop that can never stall or crash
 
 * it answers ``GET /metrics`` (``HEAD`` too) with what ``render()`` returns; any other
   path is 404, any other method 405, a request that is not HTTP 400;
-* a request head is at most `MAX_HEAD` bytes (8 KiB: 431 beyond) and must arrive within
+* a request head is at most `MAX_HEAD` bytes before its blank line (8 KiB: 431 beyond;
+  exactly 8 KiB is served) and must arrive within
   `READ_TIMEOUT` seconds; the answer must be taken within `WRITE_TIMEOUT` seconds; every
   answer says ``Connection: close`` and the connection is closed after it, so a scraper
   that sends nothing, sends garbage or stops reading is dropped, never waited for;
-* at most `MAX_CONNECTIONS` connections are served at once; one more is closed at once;
+* at most `MAX_CONNECTIONS` connections are served at once; one more is answered 503
+  (``Retry-After: 1``, ``Connection: close``) within `BUSY_GRACE` and closed, so a
+  scraper kept out by idle connections (a slowloris) sees why, not a reset;
 * one connection's failure is logged and costs only that connection.
 
 `serve_metrics` is what slicerd starts. The address is ``HOST:PORT`` (``[::1]:9403`` for
 IPv6; port 0 picks a free one); a port that cannot be bound raises `MetricsListenError`
-before the daemon reports ready.
+(slicerd exits 69), a host that does not resolve `MetricsAddressError` (a configuration
+error: 78), both before the daemon reports ready.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
 
 from gpu_slicer.slicer.config import parse_listen
-from gpu_slicer.slicer.errors import SlicerError
+from gpu_slicer.slicer.errors import ConfigError, SlicerError
 
 if TYPE_CHECKING:
     from gpu_slicer.slicer.config import Config
@@ -39,6 +44,7 @@ __all__ = [
     "MAX_HEAD",
     "READ_TIMEOUT",
     "WRITE_TIMEOUT",
+    "MetricsAddressError",
     "MetricsListenError",
     "serve",
     "serve_metrics",
@@ -50,6 +56,7 @@ MAX_HEAD = 8 << 10
 READ_TIMEOUT = 5.0
 WRITE_TIMEOUT = 10.0
 MAX_CONNECTIONS = 16
+BUSY_GRACE = 1.0  # seconds an over-the-cap connection gets to take its 503
 _CLOSE_GRACE = 1.0
 _DRAIN = 64 << 10
 
@@ -60,12 +67,17 @@ _REASONS = {
     405: "Method Not Allowed",
     408: "Request Timeout",
     431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
     500: "Internal Server Error",
 }
 
 
 class MetricsListenError(SlicerError):
-    """The metrics listener cannot listen on its address (busy port, bad host)."""
+    """The metrics listener cannot listen on its address (a busy port, say)."""
+
+
+class MetricsAddressError(ConfigError):
+    """The host of `metrics_listen` does not resolve: the configuration is wrong."""
 
 
 async def serve_metrics(
@@ -99,6 +111,11 @@ async def serve(
     host, port = parse_listen(listen)
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
+    except socket.gaierror as e:
+        raise MetricsAddressError(
+            f"metrics_listen {listen}: cannot resolve host {host!r}: {e.strerror or e} "
+            "(give an address such as 127.0.0.1:9403, or a name this host resolves)"
+        ) from e
     except OSError as e:
         why = e.strerror or str(e)
         hint = (
@@ -111,8 +128,14 @@ async def serve(
     responder = _Responder(render)
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, responder.handle, listeners)
-        log.info("metrics on %s", ", ".join(f"http://{h}:{p}/metrics" for h, p in addresses))
+        urls = (f"http://{_host(h)}:{p}/metrics" for h, p in addresses)
+        log.info("metrics on %s", ", ".join(urls))
         task_status.started(addresses)
+
+
+def _host(host: str) -> str:
+    """`host` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _address(listener: trio.SocketListener) -> tuple[str, int]:
@@ -129,6 +152,9 @@ class _Responder:
         # Everything is caught: an exception escaping a handler would cancel
         # serve_listeners and, through the daemon's nursery, every turn.
         if self.active >= MAX_CONNECTIONS:
+            with trio.move_on_after(BUSY_GRACE), contextlib.suppress(Exception):
+                body = b"too many metrics connections at once; retry\n"
+                await _answer(stream, 503, body, retry_after=True, grace=BUSY_GRACE / 2)
             await _close(stream)
             return
         self.active += 1
@@ -144,10 +170,12 @@ class _Responder:
         head = b""
         with trio.move_on_after(READ_TIMEOUT):
             while b"\r\n\r\n" not in head and b"\n\n" not in head:
-                if len(head) > MAX_HEAD:
+                # Without its blank line yet, the head is at least len(head) - 3 bytes
+                # (the last three may begin the "\r\n\r\n"): too large only past that.
+                if len(head) > MAX_HEAD + 3:
                     await _answer(stream, 431, b"request head too large\n")
                     return
-                data = await stream.receive_some(MAX_HEAD + 1)
+                data = await stream.receive_some(MAX_HEAD + 4)
                 if not data:
                     return  # the peer went away before a whole head: nothing to answer
                 head += data
@@ -184,6 +212,8 @@ async def _answer(
     *,
     allow: bool = False,
     head_only: bool = False,
+    retry_after: bool = False,
+    grace: float = _CLOSE_GRACE,
 ) -> None:
     lines = [
         f"HTTP/1.1 {status} {_REASONS[status]}",
@@ -194,6 +224,8 @@ async def _answer(
     ]
     if allow:
         lines.append("Allow: GET, HEAD")
+    if retry_after:
+        lines.append("Retry-After: 1")
     data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
     with trio.move_on_after(WRITE_TIMEOUT):
         await stream.send_all(data if head_only else data + body)
@@ -201,7 +233,7 @@ async def _answer(
         # and may destroy the answer before the peer read it: half-close, then drain a
         # little, bounded, until the peer closes.
         await stream.send_eof()
-        with trio.move_on_after(_CLOSE_GRACE):
+        with trio.move_on_after(grace):
             drained = 0
             while drained < _DRAIN and (got := await stream.receive_some(_DRAIN)):
                 drained += len(got)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from gpu_slicer.dispatcher import startup
 from gpu_slicer.dispatcher.owner import StateLock
 from stubs.proc import child_env, free_port, until_listening
 from tests.clitable import arun_cli, assert_one_line, module_argv, run_cli
@@ -198,6 +199,24 @@ def _dispatch(tmp_path: Path, *args: str, replica: str = "http://127.0.0.1:9") -
             ["--pool", "a pool"],
             r"Invalid value for '--pool': workload name must match ",
         ),
+        (
+            "http://127.0.0.1:9",
+            ["--log-level", "bogus"],
+            r"Invalid value for '--log-level': 'bogus' is not one of 'debug', 'info', ",
+        ),
+        *[
+            ("http://127.0.0.1:9", [flag, value], rf"Invalid value for '{flag}': {why}")
+            for flag, value, why in [
+                ("--sample-deadline", "nan", r"'nan' is not a finite number of seconds"),
+                ("--sample-deadline", "0", r"0\.0 is not in the range x>0\.0"),
+                ("--sample-deadline", "-1", r"-1\.0 is not in the range x>0\.0"),
+                ("--turn-seconds", "-1", r"-1\.0 is not in the range x>0\.0"),
+                ("--turn-seconds", "inf", r"'inf' is not a finite number of seconds"),
+                ("--turn-grace", "-5", r"-5\.0 is not in the range x>=0\.0"),
+                ("--turn-grace", "nan", r"'nan' is not a finite number of seconds"),
+                ("--concurrency", "0", r"0 is not in the range 1<=x<=4096"),
+            ]
+        ],
     ],
     ids=[
         "unknown option",
@@ -210,6 +229,15 @@ def _dispatch(tmp_path: Path, *args: str, replica: str = "http://127.0.0.1:9") -
         "listen bad port",
         "listen and listen-unix",
         "bad pool name",
+        "bad log level",
+        "deadline nan",
+        "deadline zero",
+        "deadline negative",
+        "turn seconds negative",
+        "turn seconds inf",
+        "turn grace negative",
+        "turn grace nan",
+        "concurrency zero",
     ],
 )
 def test_dispatcher_usage_errors_are_64_in_one_line(
@@ -237,6 +265,52 @@ def test_dispatcher_busy_port_is_69_naming_the_address(tmp_path: Path) -> None:
     assert_one_line(
         r, 69, rf"^slicer-dispatch: error: cannot listen on {sock}: .* with --listen-unix PATH\)$"
     )
+
+
+def test_dispatcher_log_level_is_any_case(tmp_path: Path) -> None:
+    # A valid level in capitals passes the option check: the run fails later, for the
+    # non-socket path it is given, not for the level.
+    afile = tmp_path / "afile"
+    afile.touch()
+    r = run_cli(_dispatch(tmp_path, "--log-level", "DEBUG", "--listen-unix", str(afile)))
+    assert_one_line(r, 73, r"is not a socket")
+
+
+def test_dispatcher_never_takes_over_a_live_unix_socket_or_a_file(tmp_path: Path) -> None:
+    live = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX) as other:  # another server, listening there
+        other.bind(str(live))
+        other.listen()
+        r = run_cli(_dispatch(tmp_path, "--listen-unix", str(live)))
+        assert_one_line(
+            r,
+            69,
+            rf"^slicer-dispatch: error: cannot listen on {live}: the socket is in use: a "
+            r"process answers on it \(stop it, or give another path with --listen-unix PATH\)$",
+        )
+        assert live.is_socket()  # still there, and still its owner's
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(str(live))
+    afile = tmp_path / "notes.txt"
+    afile.write_text("keep me")
+    r = run_cli(_dispatch(tmp_path, "--listen-unix", str(afile)))
+    assert_one_line(
+        r,
+        73,
+        rf"^slicer-dispatch: error: {afile} exists and is not a socket \(move it away, or "
+        r"give another path with --listen-unix PATH\)$",
+    )
+    assert afile.read_text() == "keep me"
+
+
+def test_a_dead_unix_socket_is_removed_for_the_front(tmp_path: Path) -> None:
+    dead = tmp_path / "dead.sock"
+    with socket.socket(socket.AF_UNIX) as gone:  # a previous run's, nobody listens now
+        gone.bind(str(dead))
+    assert dead.is_socket()
+    startup.claim_unix_socket(str(dead))
+    assert not dead.exists()
+    startup.claim_unix_socket(str(dead))  # nothing there: fine
 
 
 def test_dispatcher_state_dir_failures_name_the_path(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import functools
 import socket
 import tempfile
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -124,11 +124,25 @@ async def scripted_peer(
         await stream.send_all(answer)
 
 
+@contextlib.asynccontextmanager
+async def scripted_async(
+    script: list[bytes],
+    workload: str | None = "w",
+    delay: float = 0,
+    seen: list[bytes] | None = None,
+) -> AsyncIterator[tuple[AsyncSlicer, trio.Nursery, trio.abc.Stream]]:
+    """An `AsyncSlicer` for `workload` over a memory stream whose far end (also yielded) is
+    answered by `scripted_peer` in the nursery (yielded: a peer left waiting is cancelled
+    there); the client is closed, then the peer waited for, on the way out."""
+    ours, theirs = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as n, AsyncSlicer(ours, workload) as s:
+        n.start_soon(scripted_peer, theirs, script, delay, seen)
+        yield s, n, theirs
+
+
 async def test_async_fault_before_a_reply_raises_faulted_like_the_blocking_one() -> None:
     with trio.fail_after(5):
-        ours, theirs = trio.testing.memory_stream_pair()
-        async with trio.open_nursery() as n, AsyncSlicer(ours, "w") as s:
-            n.start_soon(scripted_peer, theirs, FAULT_SCRIPT)
+        async with scripted_async(FAULT_SCRIPT) as (s, _, _):
             with pytest.raises(Faulted) as e:
                 await s.release(Turn("w", 1, False, 0))
             assert e.value.fault.reason == "lock-failed" and e.value.code == "park-failed"
@@ -174,10 +188,8 @@ async def test_a_reply_read_by_another_task_reaches_its_caller() -> None:
 
 async def test_a_timed_out_request_keeps_the_connection_in_step(autojump_clock: object) -> None:
     with trio.fail_after(600):
-        ours, theirs = trio.testing.memory_stream_pair()
-        async with trio.open_nursery() as n, AsyncSlicer(ours) as s:
-            grant = b"OK turn=9 restored=0 waited_ms=0\n"
-            n.start_soon(scripted_peer, theirs, [grant, b"OK\n"], 10)
+        grant = b"OK turn=9 restored=0 waited_ms=0\n"
+        async with scripted_async([grant, b"OK\n"], None, 10) as (s, _, _):
             with pytest.raises(trio.TooSlowError):
                 await s.request(proto.Acquire("w"), timeout=1)
             await s.ping()  # the late grant went to the ACQUIRE, the OK to the PING
@@ -193,6 +205,71 @@ async def test_async_lost_connection_is_unreachable() -> None:
                 await s.status()
             with pytest.raises(Unreachable):
                 await s.next_message()
+
+
+# ---- a line the client cannot read: the session fails for good ----------------------
+
+GARBLED = b"FAULT w turn=1 reason=\xff\xfe\n"  # not UTF-8: was it a reply? nobody knows
+
+
+def test_sync_a_garbled_line_fails_every_later_call_at_once_and_closes() -> None:
+    """Before the fix the PING's abandoned call kept its place and the next call waited out
+    its whole timeout (30 s) for a reply that would never be its own."""
+    lines: list[bytes] = []
+    path = str(Path(tempfile.mkdtemp()) / "s.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    closed = threading.Event()
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        with conn, conn.makefile("rb") as f:
+            while line := f.readline():
+                lines.append(line)
+                conn.sendall(GARBLED)
+        closed.set()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with Slicer(path, "w", timeout=5) as s:
+            with pytest.raises(proto.RemoteProtocolError) as e:
+                s.ping()
+            assert e.value.code == proto.ErrorCode.BAD_ENCODING
+            assert closed.wait(5)  # the client closed the connection itself
+            for later in (s.ping, s.status, lambda: s.acquire(wait=1.0)):
+                with pytest.raises(proto.RemoteProtocolError):
+                    later()  # at once: nothing is even written
+        assert lines == [b"PING\n"]
+    finally:
+        t.join(5)
+        srv.close()
+
+
+async def test_async_a_garbled_line_fails_every_later_call_at_once_and_closes(
+    autojump_clock: object,
+) -> None:
+    with trio.fail_after(600):
+        async with scripted_async([GARBLED]) as (s, _, theirs):
+            with pytest.raises(proto.RemoteProtocolError):
+                await s.ping()
+            start = trio.current_time()
+            for later in (s.ping, s.status, lambda: s.acquire(wait=1.0)):
+                with pytest.raises(proto.RemoteProtocolError):
+                    await later()
+            assert trio.current_time() == start  # no wait, not even a virtual one
+            assert await theirs.receive_some() == b""  # closed by the client itself
+
+
+def test_sync_an_unknown_event_verb_is_skipped(scripted: tuple[str, list[bytes]]) -> None:
+    """A newer server's event (the contract's PREEMPTED) between replies changes nothing."""
+    path, script = scripted
+    script += [b"PREEMPTED w turn=3\nOK\n", b"OK\n"]
+    with Slicer(path, "w", timeout=5) as s:
+        s.ping()
+        s.ping()
+        assert not s.events
 
 
 # ---- a turn nobody waits for any more is given back --------------------------------
@@ -302,10 +379,8 @@ def test_sync_turn_releases_a_grant_that_came_with_a_fault() -> None:
 
 async def test_async_turn_releases_a_grant_that_came_with_a_fault() -> None:
     with trio.fail_after(5):
-        ours, theirs = trio.testing.memory_stream_pair()
         seen: list[bytes] = []
-        async with trio.open_nursery() as n, AsyncSlicer(ours, "w") as s:
-            n.start_soon(scripted_peer, theirs, [FAULTED_GRANT, RELEASED, b"OK\n"], 0, seen)
+        async with scripted_async([FAULTED_GRANT, RELEASED, b"OK\n"], seen=seen) as (s, _, _):
             with pytest.raises(Faulted):
                 async with s.turn():
                     pytest.fail("the body of a faulted turn never runs")
@@ -321,9 +396,7 @@ async def test_async_turn_release_that_never_ends_closes_the_connection(
     autojump_clock: object,
 ) -> None:
     with trio.fail_after(600):
-        ours, theirs = trio.testing.memory_stream_pair()
-        async with trio.open_nursery() as n, AsyncSlicer(ours, "w") as s:
-            n.start_soon(scripted_peer, theirs, [GRANT4, b"", GRANT4, b""])
+        async with scripted_async([GRANT4, b"", GRANT4, b""]) as (s, n, _):
             s.release_timeout = 30
             start = trio.current_time()
             with pytest.raises(Unreachable) as e:
@@ -333,9 +406,7 @@ async def test_async_turn_release_that_never_ends_closes_the_connection(
             with pytest.raises(Unreachable):
                 await s.ping()
             n.cancel_scope.cancel()
-        ours, theirs = trio.testing.memory_stream_pair()
-        async with trio.open_nursery() as n, AsyncSlicer(ours, "w") as s:
-            n.start_soon(scripted_peer, theirs, [GRANT4, b""])
+        async with scripted_async([GRANT4, b""]) as (s, n, _):
             s.release_timeout = 30
             with pytest.raises(Boom):  # the body's exception goes on
                 async with s.turn():

@@ -10,10 +10,11 @@ reaches back into the test's trio loop (STATUS waits, the other workload's calls
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import signal
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -70,6 +71,12 @@ def holder(st: dict[str, Any]) -> dict[str, Any] | None:
 
 def holder_is(name: str | None) -> Callable[[dict[str, Any]], bool]:
     return lambda st: (holder(st) or {}).get("workload") == name
+
+
+def released_after(grants: int) -> Callable[[dict[str, Any]], bool]:
+    """STATUS once `grants` turns were granted in all and nobody holds GPU 0: a late grant
+    was made and given back (too brief to catch the holder itself)."""
+    return lambda st: st["totals"]["grants"] == grants and holder(st) is None
 
 
 async def trainer(socket: str, name: str, pid: int, ledger_dir: str, steps: int) -> list[Turn]:
@@ -156,6 +163,38 @@ def test_a_turn_cancelled_twice_still_waits_for_its_release(tmp_path: Path) -> N
     assert asyncio.run(main()) == [b"ACQUIRE w\n", b"RELEASE w turn=4\n", b"PING\n"]
 
 
+def test_a_garbled_line_fails_every_later_call_at_once_and_closes(tmp_path: Path) -> None:
+    """A line the session cannot read leaves the connection out of step: the call in
+    flight and every later one raise `RemoteProtocolError` at once (before the fix the
+    next one waited out its whole timeout), and the client closes the connection."""
+    path = str(tmp_path / "s.sock")
+
+    async def main() -> list[bytes]:
+        seen: list[bytes] = []
+        closed = asyncio.Event()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while line := await reader.readline():
+                seen.append(line)
+                writer.write(b"FAULT w turn=1 reason=\xff\xfe\n")
+            closed.set()
+            writer.close()
+
+        server = await asyncio.start_unix_server(serve, path)
+        async with server, await AsyncioSlicer.connect(path, "w") as s:
+            with pytest.raises(proto.RemoteProtocolError) as e:
+                await s.ping()
+            assert e.value.code == proto.ErrorCode.BAD_ENCODING
+            async with asyncio.timeout(1):  # each at once: not REPLY_TIMEOUT (30 s)
+                for later in (s.ping, s.status, lambda: s.acquire(wait=1.0)):
+                    with pytest.raises(proto.RemoteProtocolError):
+                        await later()
+                await closed.wait()  # closed by the client itself, before aclose
+        return seen
+
+    assert asyncio.run(main()) == [b"PING\n"]
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
 async def test_two_trainers_take_their_turns_in_turn(loop: str) -> None:
@@ -201,12 +240,33 @@ async def _holding(stack: Stack, name: str) -> tuple[AsyncSlicer, Turn]:
     return h, await h.acquire(wait=WAIT)
 
 
+@contextlib.asynccontextmanager
+async def held_by_h() -> AsyncIterator[tuple[Stack, AsyncSlicer, Turn, int, OnTrio]]:
+    """A running stack whose GPU 0 workload "h" holds (`_holding`), with a sleeper's pid for
+    workload "c" and an `OnTrio`; on the way out h's connection is closed and the ledger is
+    checked for overlaps."""
+    async with running_stack() as stack:
+        h, held = await _holding(stack, "h")
+        yield stack, h, held, stack.sleeper(), OnTrio()
+        await h.aclose()
+        assert stack.overlaps() == 0
+
+
+async def _waiting_in_queue(
+    c: AsyncioSlicer, stack: Stack, pid: int, on_trio: OnTrio, wait: float | None = WAIT
+) -> asyncio.Task[Turn]:
+    """`c` registered as a cooperative workload of `pid`, its ACQUIRE (a task) in GPU 0's
+    queue."""
+    await c.register(pid=pid, park="cooperative")
+    waiting = asyncio.create_task(c.acquire(wait=wait))
+    await on_trio(stack.until, queue_is(["c"]))
+    return waiting
+
+
 @pytest.mark.integration
 async def test_a_timed_out_acquire_s_late_grant_is_released_and_the_connection_in_step() -> None:
     with trio.fail_after(60):
-        async with running_stack() as stack:
-            h, held = await _holding(stack, "h")
-            pid, on_trio = stack.sleeper(), OnTrio()
+        async with held_by_h() as (stack, h, held, pid, on_trio):
 
             async def main() -> tuple[int, Turn]:
                 async with await AsyncioSlicer.connect(stack.socket, "c") as c:
@@ -214,10 +274,12 @@ async def test_a_timed_out_acquire_s_late_grant_is_released_and_the_connection_i
                     with pytest.raises(TimeoutError):
                         await c.request(proto.Acquire("c"), timeout=0.2)
                     await on_trio(stack.until, queue_is(["c"]))  # still asked, by nobody
+                    grants = (await on_trio(stack.status))["totals"]["grants"]
                     await on_trio(h.release, held)
-                    st = await on_trio(stack.until, holder_is("c"))
-                    late = holder(st)["turn"]  # type: ignore[index]
-                    # Reads the late grant (released at once), then its own grant: not busy.
+                    # The late grant is read and given back by the client's own reader.
+                    await on_trio(stack.until, released_after(grants + 1))
+                    late = held.turn + 1
+                    # Its own grant comes next: not busy.
                     async with c.turn(wait=WAIT) as t:
                         st = await on_trio(stack.status)
                         assert holder(st) == {"workload": "c", "turn": t.turn}
@@ -228,29 +290,93 @@ async def test_a_timed_out_acquire_s_late_grant_is_released_and_the_connection_i
             late, t = await in_asyncio(main)
             assert t.workload == "c" and t.turn > late
             assert holder(await stack.status()) is None
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+async def test_an_abandoned_acquire_s_late_grant_is_given_back_while_its_client_computes(
+    loop: str,
+) -> None:
+    """h holds GPU 0; c gives up its ACQUIRE (a cancelled task) and goes on computing,
+    making no call; x waits behind c. When h releases, slicerd grants c late, and c's
+    client, reading in the background, gives that turn back at once: x is granted while c
+    still makes no call (before the fix, only c's next call would have)."""
+    with trio.fail_after(60):
+        async with running_stack() as stack:
+            h, held = await _holding(stack, "h")
+            x, x_pid = await stack.client(), stack.sleeper()
+            await x.register("x", pid=x_pid, park="cooperative")
+            pid, ledger = stack.sleeper(), stack.ledger
+            x_turns: list[Turn] = []
+
+            async def x_waits() -> None:
+                x_turns.append(await x.acquire(wait=WAIT))
+                ledger.alloc(x_pid, 0, WORKING_SET, tag="weights", workload="x")
+                ledger.free(x_pid)
+                await x.release(x_turns[0])
+
+            async def while_c_computes() -> None:  # on trio; c makes no call meanwhile
+                async with trio.open_nursery() as n:
+                    n.start_soon(x_waits)
+                    await stack.until(queue_is(["c", "x"]))
+                    await h.release(held)
+
+            if loop == "asyncio":
+                on_trio = OnTrio()
+
+                async def main() -> Turn:
+                    async with await AsyncioSlicer.connect(stack.socket, "c") as c:
+                        waiting = await _waiting_in_queue(c, stack, pid, on_trio, wait=None)
+                        waiting.cancel()
+                        with pytest.raises(asyncio.CancelledError):
+                            await waiting
+                        await on_trio(while_c_computes)
+                        async with c.turn(wait=WAIT) as t:  # in step, not busy
+                            pass
+                        return t
+
+                t = await in_asyncio(main)
+            else:
+                async with await AsyncSlicer.connect(stack.socket, "c") as c:
+                    await c.register(pid=pid, park="cooperative")
+                    async with trio.open_nursery() as n:
+                        scope = trio.CancelScope()
+
+                        async def ask() -> None:
+                            with scope:
+                                await c.acquire()
+
+                        n.start_soon(ask)
+                        await stack.until(queue_is(["c"]))
+                        scope.cancel()
+                    await while_c_computes()
+                    async with c.turn(wait=WAIT) as t:  # in step, not busy
+                        pass
+            assert [u.workload for u in x_turns] == ["x"]
+            assert x_turns[0].turn == held.turn + 2  # c's late grant came between
+            assert t.workload == "c" and t.turn > x_turns[0].turn
+            assert holder(await stack.status()) is None
             await h.aclose()
+            await x.aclose()
             assert stack.overlaps() == 0
 
 
 @pytest.mark.integration
 async def test_cancelled_tasks_abandon_their_acquire_and_release_their_turn() -> None:
     with trio.fail_after(60):
-        async with running_stack() as stack:
-            h, held = await _holding(stack, "h")
-            pid, on_trio = stack.sleeper(), OnTrio()
+        async with held_by_h() as (stack, h, held, pid, on_trio):
 
             async def main() -> None:
                 async with await AsyncioSlicer.connect(stack.socket, "c") as c:
-                    await c.register(pid=pid, park="cooperative")
-                    waiting = asyncio.create_task(c.acquire(wait=WAIT))
-                    await on_trio(stack.until, queue_is(["c"]))
+                    waiting = await _waiting_in_queue(c, stack, pid, on_trio)
                     waiting.cancel()
                     with pytest.raises(asyncio.CancelledError):
                         await waiting
+                    grants = (await on_trio(stack.status))["totals"]["grants"]
                     await on_trio(h.release, held)
-                    await on_trio(stack.until, holder_is("c"))  # the abandoned grant
-                    await c.ping()  # reads it; its RELEASE goes out
-                    await on_trio(stack.until, holder_is(None))
+                    # The abandoned grant, given back with no call of ours.
+                    await on_trio(stack.until, released_after(grants + 1))
+                    await c.ping()  # its own reply, not the RELEASE's
                     # A task cancelled inside its turn still releases it (shielded).
                     inside = asyncio.Event()
 
@@ -273,8 +399,6 @@ async def test_cancelled_tasks_abandon_their_acquire_and_release_their_turn() ->
                     assert holder(await on_trio(stack.status)) is None
 
             await in_asyncio(main)
-            await h.aclose()
-            assert stack.overlaps() == 0
 
 
 @pytest.mark.integration
@@ -285,9 +409,7 @@ async def test_tasks_sharing_one_connection_each_get_their_own_replies() -> None
     the turn is held, a third task reads the WAITING line another workload's ACQUIRE sends
     the holder, between the replies of a fourth task's STATUS calls."""
     with trio.fail_after(60):
-        async with running_stack() as stack:
-            h, held = await _holding(stack, "h")
-            pid, on_trio = stack.sleeper(), OnTrio()
+        async with held_by_h() as (stack, h, held, pid, on_trio):
             h_turns: list[Turn] = []
 
             async with trio.open_nursery() as n:
@@ -336,22 +458,16 @@ async def test_tasks_sharing_one_connection_each_get_their_own_replies() -> None
             assert holder(st) == {"workload": "c", "turn": t.turn} and st["gpus"][0]["queue"] == []
             assert [x.workload for x in h_turns] == ["h"] and h_turns[0].turn > t.turn
             await h.release(h_turns[0])
-            await h.aclose()
-            assert stack.overlaps() == 0
 
 
 @pytest.mark.integration
 async def test_the_daemon_going_away_is_unreachable() -> None:
     with trio.fail_after(60):
-        async with running_stack() as stack:
-            h, _ = await _holding(stack, "h")
-            pid, on_trio = stack.sleeper(), OnTrio()
+        async with held_by_h() as (stack, _, _, pid, on_trio):
 
             async def main() -> None:
                 async with await AsyncioSlicer.connect(stack.socket, "c") as c:
-                    await c.register(pid=pid, park="cooperative")
-                    waiting = asyncio.create_task(c.acquire(wait=WAIT))
-                    await on_trio(stack.until, queue_is(["c"]))
+                    waiting = await _waiting_in_queue(c, stack, pid, on_trio)
                     await on_trio(stack.stop, signal.SIGKILL)
                     with pytest.raises(Unreachable):
                         await waiting
@@ -361,8 +477,6 @@ async def test_the_daemon_going_away_is_unreachable() -> None:
                     await AsyncioSlicer.connect(stack.socket, "c", timeout=5)
 
             await in_asyncio(main)
-            await h.aclose()
-            assert stack.overlaps() == 0
 
 
 @pytest.mark.integration

@@ -48,15 +48,16 @@ async def replica(
 
 @asynccontextmanager
 async def dispatcher(
-    stack: Stack, url: str, *flags: str, state: str = "dstate"
+    stack: Stack, url: str, *flags: str, state: str = "dstate", name: str = "dispatcher"
 ) -> AsyncIterator[tuple[Proc, httpx.AsyncClient]]:
-    """`slicer-dispatch` for workload "v" with its state in `stack.base / state`."""
+    """`slicer-dispatch` for workload "v" with its state in `stack.base / state` (its
+    output named `name`)."""
     port = free_port()
     argv = [sys.executable, "-m", "gpu_slicer.dispatcher.main", "--workload", "v", "--replica", url]
     argv += ["--socket", stack.socket, "--state-dir", str(stack.base / state)]
     argv += ["--listen", f"127.0.0.1:{port}", *flags]
     async with (
-        spawn(stack, "dispatcher", argv) as d,
+        spawn(stack, name, argv) as d,
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http,
     ):
         await d.line(lambda s: s.startswith("listening on"))

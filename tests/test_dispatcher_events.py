@@ -70,12 +70,16 @@ async def test_a_slow_reader_is_dropped_and_the_publisher_never_waits() -> None:
 
 
 @asynccontextmanager
-async def _front(tmp_path: Path, buffer: int = 4096) -> AsyncIterator[tuple[TurnLoop, str]]:
-    """The HTTP front of a turn loop that is never run; (loop, base URL)."""
+async def loop_front(
+    tmp_path: Path, buffer: int = 4096, model: str | None = None
+) -> AsyncIterator[tuple[TurnLoop, str]]:
+    """The HTTP front of a turn loop that is never run (workload "v", served as `model`,
+    events buffered `buffer` deep); (loop, base URL)."""
     store = Store(tmp_path / "state", "pool-a")
     try:
         async with Replica("http://127.0.0.1:9") as r, trio.open_nursery() as nursery:
-            loop = TurnLoop(store, r, TurnConfig(workload="v"), events=EventStream(buffer))
+            cfg = TurnConfig(workload="v", model=model)
+            loop = TurnLoop(store, r, cfg, events=EventStream(buffer))
             stop_front = trio.Event()
             bind = f"127.0.0.1:{free_port()}"
             await nursery.start(serve_http, build_app(loop), bind, stop_front)
@@ -90,7 +94,7 @@ async def test_the_stream_is_json_lines_of_the_loop_and_ends_when_it_stops(
     tmp_path: Path,
 ) -> None:
     with trio.fail_after(20):
-        async with _front(tmp_path) as (loop, url):
+        async with loop_front(tmp_path) as (loop, url):
             async with (
                 httpx.AsyncClient(base_url=url) as http,
                 http.stream("GET", "/v1/events") as resp,
@@ -123,7 +127,7 @@ async def test_a_reader_that_stops_reading_is_dropped_with_a_last_line(tmp_path:
     pad = "x" * (256 << 10)
     with trio.fail_after(60):
         async with (
-            _front(tmp_path, buffer=8) as (loop, url),
+            loop_front(tmp_path, buffer=8) as (loop, url),
             httpx.AsyncClient(base_url=url, timeout=30) as http,
             http.stream("GET", "/v1/events") as resp,
         ):

@@ -11,11 +11,12 @@ processes print) and bounded by ``trio.fail_after``; every stack asserts zero ov
 from __future__ import annotations
 
 import itertools
+import logging
 import shutil
-import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,24 +28,25 @@ from starlette.routing import Route
 
 from gpu_slicer.dispatcher.events import follow_events
 from gpu_slicer.dispatcher.health import (
-    PROBE_INTERVAL_S,
     Check,
     Health,
     Problem,
+    foreign_weights,
     note_loads,
     note_store,
-    probe,
-    probe_daemon,
     ready_endpoint,
+    workload_unknown,
 )
 from gpu_slicer.dispatcher.model import TurnConfig
+from gpu_slicer.dispatcher.probe import PROBE_INTERVAL_S, probe, probe_daemon, probe_replica
 from gpu_slicer.dispatcher.store import Store
 from gpu_slicer.dispatcher.turns import TurnLoop
 from gpu_slicer.dispatcher.vllm import Replica
 from gpu_slicer.proto import Unreachable
-from tests.harness import Stack, running_stack
-from tests.procs import Proc, free_port, spawn
-from tests.test_dispatcher import publish, replica, result_of, status, stop
+from gpu_slicer.slicer.client import ClientError
+from tests.harness import running_stack
+from tests.procs import free_port
+from tests.test_dispatcher import dispatcher, publish, replica, result_of, status, stop
 
 # -- pure parts ------------------------------------------------------------------------
 
@@ -129,9 +131,43 @@ class FakeReplica:
 
     def __init__(self) -> None:
         self.error: str | None = "GET http://127.0.0.1:9/health: ConnectError: refused"
+        self.epoch = 0
+        self.known_version: str | None = None
+        self.label = "default"
+        self.label_reads = 0
+        self.during_read: Callable[[], None] | None = None
 
     async def check_health(self, timeout: float) -> str | None:
         return self.error
+
+    async def weight_version(self, timeout: float) -> str:
+        self.label_reads += 1
+        if self.during_read is not None:
+            self.during_read()
+        return self.label
+
+
+class FakeConn:
+    """What the probe uses of a slicerd connection: STATUS lists `workloads` (the very
+    list: a test changes it in place to register or lose a workload); `aclose` is a no-op."""
+
+    def __init__(self, workloads: list[dict[str, Any]] | None = None) -> None:
+        self.workloads = [] if workloads is None else workloads
+
+    async def status(self) -> dict[str, Any]:
+        return {"workloads": self.workloads}
+
+    async def aclose(self) -> None:
+        pass
+
+
+def connects_to(conn: FakeConn) -> Callable[[], Awaitable[Any]]:
+    """A `connect` for the probe that always reaches `conn`."""
+
+    async def connect() -> Any:
+        return conn
+
+    return connect
 
 
 async def test_an_unreachable_daemon_is_probed_with_a_capped_backoff(autojump_clock: Any) -> None:
@@ -140,18 +176,11 @@ async def test_an_unreachable_daemon_is_probed_with_a_capped_backoff(autojump_cl
     up = False
     workloads: list[dict[str, Any]] = []
 
-    class Conn:
-        async def status(self) -> dict[str, Any]:
-            return {"workloads": workloads}
-
-        async def aclose(self) -> None:
-            pass
-
     async def connect() -> Any:
         tries.append(trio.current_time())
         if not up:
             raise Unreachable("cannot connect to /run/s.sock: [Errno 2] No such file or directory")
-        return Conn()
+        return FakeConn(workloads)
 
     rep = FakeReplica()
     with trio.fail_after(120):
@@ -183,19 +212,13 @@ async def test_an_unreachable_daemon_is_probed_with_a_capped_backoff(autojump_cl
 async def test_a_daemon_that_answers_no_status_in_time_is_unreachable(autojump_clock: Any) -> None:
     h = Health()
 
-    class Hung:
+    class Hung(FakeConn):
         async def status(self) -> dict[str, Any]:
             await trio.sleep_forever()
             raise AssertionError
 
-        async def aclose(self) -> None:
-            pass
-
-    async def connect() -> Any:
-        return Hung()
-
     with trio.fail_after(60):
-        await probe_daemon(h, connect, "/s", "v")
+        await probe_daemon(h, connects_to(Hung()), "/s", "v")
     assert h.problem is not None
     assert h.problem.what.startswith("daemon unreachable (/s: no answer to STATUS)")
 
@@ -208,6 +231,118 @@ async def test_check_health_says_why() -> None:
         with trio.fail_after(10):
             assert await r.check_health(5) == "GET http://vllm/health: HTTP 503: engine dead"
             assert await r.health(5) is False
+
+
+async def test_a_replica_with_other_weights_is_a_problem_and_is_forgotten() -> None:
+    """A replica restarted at the same URL (boot weights, "default") while r1 is loaded:
+    the weights check fails with one sentence, /ready needs it, on_lost is told."""
+    h, _, changes = _health()
+    for check in (Check.DAEMON, Check.WORKLOAD):
+        h.ok(check)
+    rep, lost = FakeReplica(), []
+    rep.error, rep.known_version = None, "r1"
+    with trio.fail_after(10):
+        await probe_replica(h, rep, lost.append)
+        assert h.state(Check.REPLICA) is True and h.state(Check.WEIGHTS) is False
+        assert h.not_ready() == foreign_weights(rep.base_url, "r1")
+        assert h.not_ready() == (
+            "replica serves weights other than r1 (http://127.0.0.1:9: a new replica process, "
+            "or weights loaded by someone else); recovering it and loading r1 again"
+        )
+        assert lost == ["GET /weight_info says 'default', not 'r1'"]
+        h.ok(Check.WEIGHTS)
+        rep.label = "r1"  # the one loaded: nothing to tell
+        await probe_replica(h, rep, lost.append)
+        assert h.not_ready() is None and len(lost) == 1
+        rep.label = "r2"  # a load of ours ran during the read: its label is not judged
+        rep.during_read = lambda: setattr(rep, "epoch", rep.epoch + 1)
+        await probe_replica(h, rep, lost.append)
+        assert h.not_ready() is None and len(lost) == 1
+        rep.known_version = None  # nothing loaded: no label read at all
+        reads = rep.label_reads
+        await probe_replica(h, rep, lost.append)
+        assert rep.label_reads == reads and len(lost) == 1
+        rep.known_version = "r1"  # a replica that cannot be reached may come back anew
+        rep.error = "GET http://127.0.0.1:9/health: ConnectError: refused"
+        await probe_replica(h, rep, lost.append)
+        assert lost[-1] == rep.error and h.state(Check.REPLICA) is False
+    assert [c and c.check for c in changes].count(Check.WEIGHTS) == 1
+
+
+async def test_the_workload_problem_has_one_wording_whoever_found_it(tmp_path: Path) -> None:
+    """A STATUS that lists no such workload and an ACQUIRE answered unknown-workload say
+    the same words: the problem does not flap (one event, one warning)."""
+    h, _, changes = _health()
+
+    connect = connects_to(FakeConn())
+    with trio.fail_after(10):
+        await probe_daemon(h, connect, "/s", "v")
+    h.fail(Check.WORKLOAD, workload_unknown("v"))  # as the turn loop does on ERR
+    with trio.fail_after(10):
+        await probe_daemon(h, connect, "/s", "v")
+    assert [c and c.what for c in changes] == [workload_unknown("v")]
+    assert "unknown-workload" in workload_unknown("v")
+
+
+async def test_a_status_refusal_leaves_the_registration_unknown() -> None:
+    h, _, _ = _health()
+    h.ok(Check.WORKLOAD)
+
+    class Refuses(FakeConn):
+        async def status(self) -> dict[str, Any]:
+            raise ClientError("bad-request", "no")
+
+    with trio.fail_after(10):
+        await probe_daemon(h, connects_to(Refuses()), "/s", "v")
+    assert h.state(Check.DAEMON) is True and h.state(Check.WORKLOAD) is None
+
+
+async def test_during_a_turn_only_slicerd_is_probed_and_a_lost_workload_is_told(
+    autojump_clock: Any,
+) -> None:
+    h = Health()
+    workloads = [{"name": "v"}]
+    told: list[str] = []
+
+    connect = connects_to(FakeConn(workloads))
+    rep = FakeReplica()
+    rep.error = None
+    rep.known_version = "r1"
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(probe, h, connect, "/s", "v", rep, held=lambda: True,
+                                       on_workload_lost=lambda: told.append("lost")))  # fmt: skip
+            await trio.sleep(PROBE_INTERVAL_S * 2)
+            assert h.state(Check.DAEMON) is True and rep.label_reads == 0
+            assert h.state(Check.REPLICA) is None and told == []  # the replica is not probed
+            workloads.clear()  # its launcher died: slicerd unregistered it
+            await trio.sleep(PROBE_INTERVAL_S * 2)
+            assert told and set(told) == {"lost"}
+            assert h.problem is not None and h.problem.what == workload_unknown("v")
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_bug_in_a_probe_is_logged_with_its_trace_once(
+    autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Buggy(FakeReplica):
+        async def check_health(self, timeout: float) -> str | None:
+            raise RuntimeError("a bug")
+
+    async def connect() -> Any:
+        raise Unreachable("cannot connect to /s: gone")
+
+    caplog.set_level(logging.DEBUG, logger="dispatcher.health")
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(probe, Health(), connect, "/s", "v", Buggy())
+            await trio.sleep(PROBE_INTERVAL_S * 6)
+            nursery.cancel_scope.cancel()
+    failed = [r for r in caplog.records if r.getMessage().startswith("health probe failed")]
+    assert len(failed) >= 6, failed
+    assert [r.levelno for r in failed].count(logging.ERROR) == 1
+    assert failed[0].levelno == logging.ERROR and failed[0].exc_info is not None
+    assert {r.levelno for r in failed[1:]} == {logging.DEBUG}
 
 
 # -- ready_endpoint in process -----------------------------------------------------------
@@ -258,24 +393,49 @@ async def test_ready_is_503_with_the_reason_until_every_check_is_ok(tmp_path: Pa
             assert st["state"] == "idle" and "store" in st  # today's fields stay
 
 
+async def test_ready_takes_name_at_rev_and_refuses_an_empty_or_bad_revision(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(20):
+        async with _ready_app(tmp_path) as (loop, http):
+            for check in (Check.DAEMON, Check.WORKLOAD, Check.REPLICA):
+                loop.health.ok(check)
+            ckpt = tmp_path / "ckpt" / "rev-1"
+            ckpt.mkdir(parents=True)
+            (ckpt / "revision.txt").write_text("rev-1")
+            loop.publish("rev-1", str(ckpt))
+            for asked in ("rev-1", "pool-a@rev-1", "sampler@rev-1"):  # as /v1/models lists it
+                r = await http.get("/ready", params={"revision": asked})
+                assert (r.status_code, r.json()) == (200, {"ready": True}), asked
+            r = await http.get("/ready", params={"revision": "pool-a@rev-9"})
+            assert r.status_code == 503
+            assert r.json()["reason"] == "revision rev-9 is not published"
+            r = await http.get("/ready?revision=")
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+            err = r.json()["error"]
+            assert err["message"].startswith("revision must not be empty"), err
+            assert (err["type"], err["code"], err["param"]) == (
+                "BadRequestError", "bad_request", "revision"
+            )  # fmt: skip
+            r = await http.get("/ready", params={"revision": "pool-a@"})
+            assert r.status_code == 400
+            assert r.json()["error"]["message"] == (
+                "revision 'pool-a@' ends with '@' but names no revision after it"
+            )
+            r = await http.get("/ready", params={"revision": "a" * 5000})
+            assert r.status_code == 400
+            message = r.json()["error"]["message"]
+            assert len(message) < 300 and message.endswith("'" + "a" * 200 + "'..."), message
+            loop.health.fail(Check.WEIGHTS, foreign_weights(loop.replica.base_url, "rev-1"))
+            assert loop.health.not_ready() == foreign_weights(loop.replica.base_url, "rev-1")
+            # Nothing pending: nothing is served from the other weights, the next turn
+            # recovers the replica anyway: ready (the problem cleared).
+            r = await http.get("/ready")
+            assert (r.status_code, r.json()) == (200, {"ready": True})
+            assert loop.status()["problem"] is None
+
+
 # -- the real dispatcher -----------------------------------------------------------------
-
-
-@asynccontextmanager
-async def dispatcher(
-    stack: Stack, url: str, *flags: str, state: str = "dstate", name: str = "dispatcher"
-) -> AsyncIterator[tuple[Proc, httpx.AsyncClient]]:
-    """`slicer-dispatch` for workload "v" with its state in ``stack.base / state``."""
-    port = free_port()
-    argv = [sys.executable, "-m", "gpu_slicer.dispatcher.main", "--workload", "v", "--replica", url]
-    argv += ["--socket", stack.socket, "--state-dir", str(stack.base / state)]
-    argv += ["--listen", f"127.0.0.1:{port}", *flags]
-    async with (
-        spawn(stack, name, argv) as d,
-        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http,
-    ):
-        await d.line(lambda s: s.startswith("listening on"))
-        yield d, http
 
 
 async def until_problem(

@@ -255,6 +255,9 @@ async def test_the_dispatchers_metrics_parse_with_every_series(tmp_path: Path) -
             r = await http.get("/metrics")
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/plain; version=")
+            # The classic text format's type, as before prometheus-client: scrapers that
+            # negotiated 0.0.4 see what they saw.
+            assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
             samples, types = parse(r.text)
             assert types == DISPATCH_SERIES
             assert value(samples, "slicer_dispatch_done_total", pool="pool-a") == 3
@@ -264,3 +267,89 @@ async def test_the_dispatchers_metrics_parse_with_every_series(tmp_path: Path) -
             assert value(samples, "slicer_dispatch_turns_total", pool="pool-a") >= 1
             # Every sample carries the pool, as the hand-written text did.
             assert all(dict(labels)["pool"] == "pool-a" for _, labels in samples)
+
+
+@pytest.mark.integration
+async def test_an_unregistered_workloads_series_are_removed() -> None:
+    """A node that sees a new workload name per job keeps as many turn series as it has
+    workloads: unregistering one removes every series labelled with it."""
+    port = free_port()
+    names = [f"job-{i}" for i in range(5)]
+    with trio.fail_after(90):
+        async with (
+            running_stack("--metrics-listen", f"127.0.0.1:{port}", gpus=1) as stack,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as http,
+        ):
+            async with await stack.client() as c:
+                for name in names:
+                    await c.register(name, pid=stack.sleeper())
+                    await c.release(await c.acquire(name))
+                m = await scrape(http)
+                for name in names:
+                    assert value(m, "slicer_turns_granted_total", gpu="0", workload=name) == 1
+                for name in names[:4]:
+                    await c.unregister(name)
+                m = await scrape(http)
+            labelled = {dict(labels).get("workload") for _, labels in m}
+            assert labelled - {None} == {names[4]}  # only the one still registered
+            assert value(m, "slicer_turns_granted_total", gpu="0", workload=names[4]) == 1
+            assert value(m, "slicer_acquire_wait_seconds_count", gpu="0") == 5  # unlabelled
+            assert stack.overlaps() == 0
+
+
+async def _render_server(nursery: trio.Nursery) -> int:
+    from gpu_slicer.slicer.metrics_http import serve
+
+    def render() -> tuple[bytes, str]:
+        return b"slicer_up 1\n", "text/plain; version=0.0.4"
+
+    addresses = await nursery.start(serve, "127.0.0.1:0", render)
+    return int(addresses[0][1])
+
+
+async def _ask(port: int, request: bytes) -> bytes:
+    async with await trio.open_tcp_stream("127.0.0.1", port) as s:
+        await s.send_all(request)
+        return await _read_all(s)
+
+
+async def test_a_head_of_exactly_8_kib_is_served_and_one_byte_more_is_431() -> None:
+    from gpu_slicer.slicer.metrics_http import MAX_HEAD
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            port = await _render_server(n)
+            start = b"GET /metrics HTTP/1.1\r\nX-Pad: "
+            for size, status in [(MAX_HEAD, b"200"), (MAX_HEAD + 1, b"431")]:
+                head = start + b"a" * (size - len(start))
+                assert len(head) == size
+                for end in (b"\r\n\r\n", b"\n\n"):
+                    got = await _ask(port, head + end)
+                    assert got.startswith(b"HTTP/1.1 " + status + b" "), (size, end, got[:40])
+            n.cancel_scope.cancel()
+
+
+async def test_a_scrape_over_the_connection_cap_is_answered_503_not_reset() -> None:
+    from gpu_slicer.slicer.metrics_http import MAX_CONNECTIONS
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            port = await _render_server(n)
+            idle = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(MAX_CONNECTIONS)]
+            # The idle ones hold every slot (a slowloris): the next scraper learns why.
+            await trio.testing.wait_all_tasks_blocked()
+            got = await _ask(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert got.startswith(b"HTTP/1.1 503 "), got[:80]
+            assert b"\r\nRetry-After: 1\r\n" in got and b"\r\nConnection: close\r\n" in got
+            for s in idle:
+                await s.aclose()
+            await trio.testing.wait_all_tasks_blocked()
+            assert (await _ask(port, b"GET /metrics HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+            n.cancel_scope.cancel()
+
+
+def test_ipv6_metrics_addresses_are_bracketed_in_urls() -> None:
+    from gpu_slicer.slicer.metrics_http import _host
+
+    assert _host("::1") == "[::1]"
+    assert _host("127.0.0.1") == "127.0.0.1"

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import json
 import platform
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,11 +22,15 @@ import openai
 import pytest
 import trio
 
-from gpu_slicer.dispatcher.errors import BadRequest, NotFound, UnknownRevision
-from gpu_slicer.dispatcher.events import EventStream
-from gpu_slicer.dispatcher.http import MAX_BODY_BYTES, build_app, error_response, serve_http
+from gpu_slicer.dispatcher.core import parse_body
+from gpu_slicer.dispatcher.errors import BadRequest, NotFound, StoreError, UnknownRevision, quoted
+from gpu_slicer.dispatcher.http import (
+    MAX_BODY_BYTES,
+    _id_comments,
+    error_response,
+)
 from gpu_slicer.dispatcher.httphead import error_json
-from gpu_slicer.dispatcher.model import Revision, TurnConfig
+from gpu_slicer.dispatcher.model import Revision
 from gpu_slicer.dispatcher.oai import (
     chunks,
     include_usage,
@@ -39,12 +42,12 @@ from gpu_slicer.dispatcher.oai import (
     usage_chunk,
     with_model,
 )
-from gpu_slicer.dispatcher.store import Store
 from gpu_slicer.dispatcher.turns import TurnLoop
-from gpu_slicer.dispatcher.vllm import Replica
 from tests.harness import running_stack
-from tests.procs import free_port
 from tests.test_dispatcher import dispatcher, publish, replica
+from tests.test_dispatcher_events import loop_front
+from tests.test_dispatcher_journal import journal_loop
+from tests.test_dispatcher_vllm import FakeVllm
 
 T = TypeVar("T")
 
@@ -80,6 +83,56 @@ def test_the_model_is_set_in_vllms_bytes_in_place_or_by_parsing(raw: bytes, spli
         assert out == raw.replace(b'"model":"m"', b'"model":"llama@step-1"')
 
 
+def _refused(kind: str, body: dict[str, Any]) -> BadRequest:
+    """The error the store's validation raises for ``body``."""
+    try:
+        parse_body(kind, body, 1000, 1000)
+    except BadRequest as e:
+        return e
+    raise AssertionError(f"{body} was accepted")
+
+
+def test_a_long_value_in_a_message_keeps_its_quotes() -> None:
+    assert quoted("a" * 300, 200) == repr("a" * 200) + "..."
+    assert quoted("short") == "'short'" and quoted(7) == "7"
+    assert quoted(list(range(100)), 10) == "[0, 1, 2, ..."
+    e = _refused("completion", {"prompt": "x", "model": "m" * 300 + "@"})
+    assert str(e).startswith("model '" + "m" * 200 + "'... ends with '@'")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "wanted"),
+    [
+        ([["a"], ["b"]], r"^prompt\[0\] must be a string or a list of token ids, got \['a'\]"),
+        ([["a", "b"], ["c"]], r"^prompt\[0\] must be a string or a list of token ids"),
+        ([[1, 2], [3, "x"]], r"^prompt\[1\] must be a string or a list of token ids"),
+    ],
+)
+def test_a_prompt_list_holds_strings_or_token_lists_only(prompt: Any, wanted: str) -> None:
+    with pytest.raises(BadRequest, match=wanted) as e:
+        split_prompts(prompt)
+    assert param_of(e.value) == "prompt"
+
+
+def test_one_sample_with_many_prompts_points_to_the_list_routes() -> None:
+    e = _refused("completion", {"prompt": ["a", "b"]})  # POST /v1/samples takes one prompt
+    assert "send them as one POST /v1/completions (a prompt list) or POST /v1/samples/batch" in (
+        str(e)
+    )
+    e = _refused("completion", {"prompt": [["a"]]})  # no batch of one: no prompt at all
+    assert str(e).startswith("prompt[0] must be a string or a list of token ids")
+    assert parse_body("completion", {"prompt": [[5, 6]]}, 10, 10).prompt.tolist() == [5, 6]  # type: ignore[union-attr]
+
+
+def test_a_streamed_lists_ids_come_in_bounded_comment_lines() -> None:
+    ids = [f"smp-{i:04d}" for i in range(600)]
+    lines = _id_comments(ids)
+    assert len(lines) == 3 and all(x.startswith(b": sample_ids ") for x in lines)
+    assert all(x.endswith(b"\n\n") for x in lines)
+    got = [i for x in lines for i in x[len(b": sample_ids ") :].decode().split()[0].split(",")]
+    assert got == ids
+
+
 @pytest.mark.parametrize(
     ("exc", "param"),
     [
@@ -92,6 +145,9 @@ def test_the_model_is_set_in_vllms_bytes_in_place_or_by_parsing(raw: bytes, spli
         (BadRequest("whatever", param="stop"), "stop"),
         (UnknownRevision("no revision 'x' in pool 'p'"), "model"),
         (NotFound("no sample 'smp-x'"), None),
+        (_refused("completion", {"prompt": "x", "model": "sampler@"}), "model"),
+        (_refused("completion", {"prompt": "x", "messages": []}), "messages"),
+        (_refused("chat", {"messages": [{"role": "u"}], "prompt": "x"}), "prompt"),
     ],
 )  # fmt: skip
 def test_an_errors_param_names_the_field_at_fault(exc: Any, param: str | None) -> None:
@@ -173,6 +229,7 @@ def test_stream_chunks_and_the_usage_chunk() -> None:
         ({"stream_options": None}, False, False),
         ({"stream_options": {"include_usage": True}}, True, True),
         ({"stream_options": {}}, True, False),
+        ({"stream_options": {}}, False, False),  # as vLLM: only options that ask refuse
         ({"stream_options": {"include_usage": True}}, False, "only be given with stream"),
         ({"stream_options": []}, True, "must be an object"),
         ({"stream_options": {"include_usage": 1}}, True, "true or false"),
@@ -188,25 +245,6 @@ def test_stream_options(body: dict[str, Any], stream: bool, wanted: bool | str) 
 
 
 # -- in process: what is answered before any turn ------------------------------------
-
-
-@asynccontextmanager
-async def _front(tmp_path: Path) -> AsyncIterator[tuple[TurnLoop, str]]:
-    """The HTTP front of a turn loop that is never run, served as model "llama";
-    (loop, base URL)."""
-    store = Store(tmp_path / "state", "pool-a")
-    try:
-        async with Replica("http://127.0.0.1:9") as r, trio.open_nursery() as nursery:
-            cfg = TurnConfig(workload="v", model="llama")
-            loop = TurnLoop(store, r, cfg, events=EventStream())
-            stop_front = trio.Event()
-            bind = f"127.0.0.1:{free_port()}"
-            await nursery.start(serve_http, build_app(loop), bind, stop_front)
-            yield loop, f"http://{bind}"
-            stop_front.set()
-            nursery.cancel_scope.cancel()
-    finally:
-        store.close()
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -239,7 +277,7 @@ def _publish(loop: TurnLoop, tmp_path: Path, rev: str) -> None:
 
 async def test_models_list_every_published_revision_newest_first(tmp_path: Path) -> None:
     with trio.fail_after(30):
-        async with _front(tmp_path) as (loop, url):
+        async with loop_front(tmp_path, model="llama") as (loop, url):
             client = _client(url)
             assert (await _call(client.models.list)).data == []
             for rev in ("step-1", "step-2", "step-3"):
@@ -255,7 +293,7 @@ async def test_models_list_every_published_revision_newest_first(tmp_path: Path)
 
 async def test_every_error_is_an_openai_error(tmp_path: Path) -> None:
     with trio.fail_after(30):
-        async with _front(tmp_path) as (loop, url):
+        async with loop_front(tmp_path, model="llama") as (loop, url):
             _publish(loop, tmp_path, "r1")
             client = _client(url)
 
@@ -424,3 +462,118 @@ async def test_the_openai_client_against_a_running_dispatcher() -> None:
                     lambda: client.completions.create(model="v@r9", prompt="hi")))  # fmt: skip
                 assert isinstance(e, openai.NotFoundError) and "r9" in e.message
             assert stack.overlaps() == 0
+
+
+# -- in process, served: prompt lists a client can get back to ------------------------
+
+
+def _ids_and_refusals(fake: FakeVllm) -> Callable[[httpx.Request], httpx.Response]:
+    """The fake vLLM giving each answer its own ``id`` (as vLLM does) and refusing, 400,
+    a prompt holding token 666."""
+    sent = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal sent
+        if request.url.path != "/v1/completions":
+            return fake(request)
+        if 666 in json.loads(request.content)["prompt"]:
+            cursed = {"message": "token 666 is cursed", "type": "BadRequestError", "param": None}
+            return httpx.Response(400, json={"error": {**cursed, "code": 400}})
+        out = fake(request)
+        sent += 1
+        return httpx.Response(200, json={**out.json(), "id": f"cmpl-{sent}", "created": 1})
+
+    return handler
+
+
+def _events_of(text: str) -> list[str]:
+    return [line for line in text.split("\n\n") if line]
+
+
+async def test_a_prompt_list_names_its_samples_before_and_after_a_failure(tmp_path: Path) -> None:
+    with trio.fail_after(60):
+        async with journal_loop(tmp_path, turns=True, wrap=_ids_and_refusals) as (_, http):
+            body: dict[str, Any] = {"prompt": [[1], [2], [3]], "max_tokens": 2}
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-sample-ids"].split(",") == r.json()["sample_ids"]
+
+            # Streamed: the ids first (a comment line), then chunks that share one id.
+            r = await http.post("/v1/completions", json={**body, "stream": True})
+            events = _events_of(r.text)
+            ids = r.headers["x-sample-ids"].split(",")
+            assert events[0] == ": sample_ids " + ",".join(ids) and len(ids) == 3
+            data = [json.loads(e[6:]) for e in events[1:-1]]
+            assert len(data) == 3 and len({d["id"] for d in data}) == 1, data
+            assert events[-1] == "data: [DONE]"
+
+            # One refused prompt: the request fails, naming it and every prompt's sample;
+            # the other prompts' results are kept and fetched by those ids.
+            r = await http.post("/v1/completions", json={**body, "prompt": [[1], [666], [3]]})
+            assert r.status_code == 400
+            err = r.json()["error"]
+            assert err["message"].startswith("prompt[1] failed: "), err
+            assert "token 666 is cursed" in err["message"] and err["param"] == "prompt"
+            assert "POST /v1/samples/results" in err["message"]
+            assert r.headers["x-sample-ids"].split(",") == err["sample_ids"]
+            r = await http.post("/v1/samples/results", json={"ids": err["sample_ids"]})
+            got = r.json()["results"]
+            assert [x["status"] for x in got] == ["done", "failed", "done"]
+            assert got[0]["result"]["choices"][0]["text"] == "ab"
+
+
+async def test_a_store_error_mid_stream_ends_it_with_an_error_and_done(tmp_path: Path) -> None:
+    with trio.fail_after(60):
+        async with journal_loop(tmp_path, turns=True, wrap=_ids_and_refusals) as (loop, http):
+            real = loop.wait_result
+            seen: list[str] = []
+
+            async def flaky(id: str, timeout: float) -> Any:
+                if id not in seen:
+                    seen.append(id)
+                if id != seen[0]:
+                    raise StoreError("cannot read the dispatch store: disk I/O error")
+                return await real(id, timeout)
+
+            loop.wait_result = flaky  # type: ignore[method-assign]
+            body = {"prompt": [[1], [2]], "max_tokens": 2, "stream": True}
+            r = await http.post("/v1/completions", json=body)
+            events = _events_of(r.text)
+            assert events[0].startswith(": sample_ids ")
+            assert json.loads(events[1][6:])["choices"][0]["text"] == "ab"  # prompt 0's
+            err = json.loads(events[2][6:])["error"]
+            assert err["code"] == "store_error" and err["message"].startswith("prompt[1] failed: ")
+            assert events[3:] == ["data: [DONE]"]
+
+
+async def test_stream_is_checked_before_its_options_and_errors_name_their_field(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(30):
+        async with loop_front(tmp_path, model="llama") as (loop, url):
+            _publish(loop, tmp_path, "r1")
+            async with httpx.AsyncClient(base_url=url) as http:
+
+                async def error(body: dict[str, Any], path: str = "/v1/completions") -> Any:
+                    r = await http.post(path, json=body)
+                    assert r.status_code == 400, r.text
+                    return r.json()["error"]
+
+                opts = {"include_usage": True}
+                e = await error({"prompt": "x", "stream": "true", "stream_options": opts})
+                assert e["message"] == "stream must be true or false, got 'true'"
+                assert e["param"] == "stream"
+                e = await error({"prompt": "x", "model": "llama@"})
+                assert e["param"] == "model" and "ends with '@'" in e["message"]
+                e = await error({"prompt": "x", "messages": []})
+                assert e["param"] == "messages"
+                e = await error({"prompt": [["a"], ["b"]]})
+                assert e["param"] == "prompt" and e["message"].startswith("prompt[0] must be")
+            client = _client(url)
+            # stream_options {} without stream is accepted, as vLLM does: it waits for a
+            # turn (none runs here), so only its journaling is checked.
+            p = await loop.accept("completion", {"prompt": "x", "stream_options": {}})
+            assert p.id
+            long = "llama@" + "x" * 300
+            e = await _call(_refusal(lambda: client.models.retrieve(long)))
+            assert f"the model {quoted(long, 200)} does not exist" in e.message

@@ -82,6 +82,15 @@ class Case:
     failed: bool = False
 
 
+def malformed(
+    id: str, calls: list[Callable[[ClientSession], Call[Any]]], data: bytes, code: str
+) -> Case:
+    """A line the session cannot read: the feed and every pending call raise
+    `RemoteProtocolError` with `code`, and the session is failed (out of step)."""
+    fails = Raises(RemoteProtocolError, code)
+    return Case(id, calls, data, [fails] * len(calls), feed=fails, failed=True)
+
+
 CASES = [
     Case("ping", [ping], b"OK\n", [None]),
     Case("crlf", [ping], b"OK\r\n", [None]),
@@ -151,19 +160,37 @@ CASES = [
         [Raises(ClientError, "brand-new-code")],
     ),
     Case(
-        "a malformed line is refused; the pending call still gets its reply",
+        "a newer server's event (an unknown verb) is skipped; the call gets its reply",
         [ping],
-        b"FAULT w\nBOGUS line\nOK\n",
+        b"PREEMPTED w turn=3\nBOGUS line -- with text\nOK\n",
         [None],
-        feed=Raises(RemoteProtocolError, "missing-argument"),
     ),
-    Case(
-        "a malformed reply fails its own call only",
+    malformed(
+        "a malformed event fails the session: every pending call, at once",
+        [ping, acquire],
+        b"FAULT w\nOK\n",
+        "missing-argument",
+    ),
+    malformed(
+        "a malformed reply fails the session, not only its own call",
         [ping, ping],
         b"OK stray-positional\nOK\n",
-        [Raises(RemoteProtocolError, "bad-argument"), None],
-        feed=Raises(RemoteProtocolError, "bad-argument"),
+        "bad-argument",
     ),
+    Case(
+        "the lines before a malformed one are taken",
+        [ping, ping],
+        b"OK\nWAITING w turn=1 waiters=1\n\xff\xfe\nOK\n",
+        [None, Raises(RemoteProtocolError, "bad-encoding")],
+        events=[Waiting("w", 1, 1)],
+        feed=Raises(RemoteProtocolError, "bad-encoding"),
+        failed=True,
+    ),
+    malformed("a lower-case verb is no event: malformed", [ping], b"okay\n", "unknown-verb"),
+    malformed(
+        "an indented OK is not taken for a newer server's event", [ping], b" OK\n", "unknown-verb"
+    ),
+    malformed("a blank line is malformed", [ping], b"\r\n", "empty"),
     Case(
         "a reply of the wrong shape fails its call",
         [acquire, status],
@@ -186,13 +213,11 @@ CASES = [
         feed=Raises(ClientError, "limit"),
         failed=True,
     ),
-    Case(
+    malformed(
         "a line over the limit fails every pending call",
         [ping],
         b"EVENT " + b"x" * proto.MAX_SERVER_LINE,
-        [Raises(RemoteProtocolError, "line-too-long")],
-        feed=Raises(RemoteProtocolError, "line-too-long"),
-        failed=True,
+        "line-too-long",
     ),
 ]
 
@@ -239,6 +264,60 @@ def test_session(case: Case, split: str) -> None:
     assert list(s.events) == case.events
     assert s.failed == case.failed
     assert s.pending == 0
+
+
+def test_a_failed_session_refuses_every_later_call_at_once() -> None:
+    """Out of step after a line it could not read, the session never waits again: a call
+    made later raises at once instead of waiting for a reply that is not its own."""
+    s = ClientSession("w")
+    first = s.ping()
+    assert s.data_to_send() == b"PING\n"
+    with pytest.raises(RemoteProtocolError) as e:
+        s.receive_data(b"GARBAGE\x00 \xc3\n")
+    assert e.value.code == ErrorCode.BAD_ENCODING and "from the server" in e.value.message
+    with pytest.raises(RemoteProtocolError):
+        first.result()
+    for later in (s.ping, s.acquire, s.status):
+        with pytest.raises(RemoteProtocolError):
+            later()
+    with pytest.raises(RemoteProtocolError):
+        s.receive_data(b"OK\n")  # whatever comes after cannot be matched any more
+    with pytest.raises(RemoteProtocolError):
+        s.next_event()
+    assert s.failed and s.pending == 0 and s.data_to_send() == b""
+
+
+def test_unknown_verbs_are_counted_not_queued() -> None:
+    s = ClientSession("w")
+    call = s.acquire()
+    assert s.receive_data(b"PREEMPTED w turn=3\nNEW_THING x=1\n") == []
+    s.receive_data(b"OK turn=4 restored=1 waited_ms=0\n")
+    assert call.result() == Turn("w", 4, True, 0)
+    assert s.skipped == 2 and not s.events and not s.failed
+
+
+def test_has_abandoned_acquire_until_its_reply_is_read() -> None:
+    """What the async clients read for in the background: an abandoned ACQUIRE not yet
+    answered (a grant then owes a RELEASE)."""
+    s = ClientSession("w")
+    ping, acq = s.ping(), s.acquire()
+    s.data_to_send()
+    assert not s.has_abandoned_acquire
+    ping.abandon()
+    assert not s.has_abandoned_acquire  # only an ACQUIRE can be granted late
+    acq.abandon()
+    assert s.has_abandoned_acquire
+    s.receive_data(b"OK\n")
+    assert s.has_abandoned_acquire
+    s.receive_data(b"OK turn=4 restored=0 waited_ms=0\n")
+    assert not s.has_abandoned_acquire
+    assert s.data_to_send() == b"RELEASE w turn=4\n"
+    refused = s.acquire(wait=1.0)
+    s.data_to_send()
+    refused.abandon()
+    assert s.has_abandoned_acquire
+    s.receive_data(b"OK parked=0 park_ms=0\nERR timeout -- no turn within 1 s\n")
+    assert not s.has_abandoned_acquire and s.data_to_send() == b"" and s.pending == 0
 
 
 def test_the_lines_to_write_are_the_requests_encoded() -> None:
