@@ -196,7 +196,8 @@ class ClientSession:
 
     `workload` is the name a request uses when it is given none (set by `register`);
     `events` holds the non-reply lines not yet taken; `on_event`, when set, is called with
-    each of them as it is queued (synchronously: it must not block); `skipped` counts the
+    each of them once the data that brought it was taken (synchronously: it must not
+    block; what it raises goes to `receive_data`'s caller); `skipped` counts the
     lines of unknown verbs that were skipped (module docstring).
     """
 
@@ -363,7 +364,10 @@ class ClientSession:
 
         Raises the session's failure when it failed, now or before: `RemoteProtocolError`
         for a line it cannot read (the lines before it were taken), `ClientError` for an
-        ``ERR`` that answers no request (module docstring).
+        ``ERR`` that answers no request (module docstring). `on_event` is called once all
+        of `data` was taken: an exception it raises goes on to the caller, and the
+        session is in step all the same (each reply went to its call, each line is in
+        `events`; the messages after the one whose callback raised are not passed to it).
         """
         if self._failure is not None:
             raise self._failure()
@@ -376,7 +380,14 @@ class ClientSession:
         for raw in lines:
             self._take(raw, new)
             if self._failure is not None:
-                raise self._failure_now()
+                break
+        # Only now: a callback raising in the middle of the lines would lose the rest,
+        # and the next reply would answer the wrong call.
+        if self.on_event is not None:
+            for msg in new:
+                self.on_event(msg)
+        if self._failure is not None:
+            raise self._failure_now()
         return new
 
     def receive_eof(self) -> None:
@@ -424,8 +435,6 @@ class ClientSession:
                     call.fault = msg
         self.events.append(msg)
         new.append(msg)
-        if self.on_event is not None:
-            self.on_event(msg)
 
     def _break(self, failure: Failure) -> None:
         if self._failure is not None:

@@ -147,11 +147,15 @@ class Slicer(SessionView):
         self._sock.close()
 
     def _read(self, timeout: float | None) -> None:
-        self._sock.settimeout(timeout)
+        # Below 0 reads as 0: a poll (settimeout(0) is non-blocking mode, whose "nothing
+        # yet" is BlockingIOError, and a negative one is refused with ValueError).
+        self._sock.settimeout(None if timeout is None else max(0.0, timeout))
         try:
             data = self._sock.recv(RECV_SIZE)
         except TimeoutError:
             raise
+        except BlockingIOError:
+            raise TimeoutError("no data within 0 s") from None
         except OSError as e:
             self._session.connection_lost(f"connection lost: {e}")
             return
@@ -247,7 +251,9 @@ class Slicer(SessionView):
         """Hold a turn for the `with` body; released on the way out, exceptions included.
 
         The release is bounded by `release_timeout`: past it the connection is closed and,
-        when the body ended normally, `Unreachable` is raised. An ACQUIRE that raises
+        when the body ended normally, `Unreachable` is raised. When the body raised, a
+        release that fails (the daemon died meanwhile: `Unreachable`) does not replace its
+        exception: it goes on (a failed connection is closed). An ACQUIRE that raises
         `Faulted` with a granted turn releases that turn before the `Faulted` goes on."""
         call = self._session.acquire(name, wait)
         try:
@@ -271,3 +277,10 @@ class Slicer(SessionView):
             self.close()
             if loud:
                 raise Unreachable(release_stuck(self.release_timeout)) from None
+        except (ClientError, proto.ProtocolError):
+            if loud:
+                raise
+            # The body's own exception (KeyboardInterrupt included) is what the caller must
+            # see, not the daemon's death found by the release.
+            if self._session.failed:
+                self.close()

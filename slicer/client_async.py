@@ -82,8 +82,10 @@ class AsyncCalls(SessionView):
     async def _close_now(self) -> None:
         raise NotImplementedError  # the session failed: drop the connection at once
 
-    async def _within(self, timeout: float | None, work: Awaitable[T]) -> T:
-        raise NotImplementedError  # `work` bounded by `timeout` (None: forever)
+    async def _within(self, timeout: float | None, work: Callable[[], Awaitable[T]]) -> T:
+        # `work()` bounded by `timeout` (None: forever; below 0 as 0). Made inside, once it
+        # can be awaited: a coroutine made before a bound that raises is never awaited.
+        raise NotImplementedError
 
     async def _reply(self, call: proto.Call[Any]) -> None:
         await self._pump(lambda: call.done)
@@ -97,7 +99,7 @@ class AsyncCalls(SessionView):
     async def _call(self, make: Callable[[], proto.Call[T]], timeout: float | None) -> T:
         call = await self._send(make)
         try:
-            await self._within(timeout, self._reply(call))
+            await self._within(timeout, lambda: self._reply(call))
         except BaseException:
             call.abandon()  # its reply is dropped; a turn it was granted is given back
             await self._flush()
@@ -137,14 +139,19 @@ class AsyncCalls(SessionView):
         try:
             while self._session.has_abandoned_acquire and not self._session.failed:
                 await self._pump(lambda: not self._session.has_abandoned_acquire)
-        except (proto.ProtocolError, proto.ClientError):
-            pass  # the session failed: every call raises it
-        except Exception as e:
-            self._session.connection_lost(f"the client's background reader failed: {e!r}")
+        except Exception as e:  # the session's failure, or an `on_event` callback's error
+            await self._reader_failed(e)
+
+    async def _reader_failed(self, e: BaseException) -> None:
+        # Nobody reads for the abandoned ACQUIRE any more: fail the session (a failure it
+        # had stays first) and close, so the daemon ends a late grant instead of holding
+        # it as this connection's turn.
+        self._session.connection_lost(f"the client's background reader failed: {e!r}")
+        await self._close_now()
 
     async def next_message(self, timeout: float | None = None) -> proto.ServerMessage:
         """The next non-reply line (queued ones first); None `timeout` waits forever."""
-        return await self._within(timeout, self._next_event())
+        return await self._within(timeout, self._next_event)
 
     async def _next_event(self) -> proto.ServerMessage:
         while (msg := self._session.next_event()) is None:
@@ -201,8 +208,11 @@ class AsyncCalls(SessionView):
 
         The release is shielded (a cancellation waits for it to end) and bounded by
         `release_timeout`: past it the connection is closed and, when the body ended
-        normally, `Unreachable` is raised. An ACQUIRE that raises `Faulted` with a granted
-        turn releases that turn before the `Faulted` goes on."""
+        normally, `Unreachable` is raised. When the body raised or was cancelled, a release
+        that fails (the daemon died meanwhile: `Unreachable`) does not replace that
+        exception or cancellation: it goes on (a failed connection is closed). An ACQUIRE
+        that raises `Faulted` with a granted turn releases that turn before the `Faulted`
+        goes on."""
         made: list[proto.Call[Turn]] = []
 
         def make() -> proto.Call[Turn]:

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Self, TypeVar
 
 from gpu_slicer import proto
-from gpu_slicer.proto import Turn, Unreachable
+from gpu_slicer.proto import ClientError, Turn, Unreachable
 from gpu_slicer.slicer.client_async import AsyncCalls
 from gpu_slicer.slicer.client_common import (
     RECV_SIZE,
@@ -70,7 +70,10 @@ class AsyncioSlicer(AsyncCalls):
         task, self._reader_task = self._reader_task, None
         if task is not None:
             task.cancel()
-        self._writer.close()
+        # Aborted, not closed: `close` keeps the transport open until what it buffered is
+        # written, which a stopped daemon never reads (then `wait_closed` never returns).
+        # Nothing buffered is worth writing once the connection ends.
+        self._writer.transport.abort()
         if task is not None:
             await asyncio.wait([task])  # raises only the caller's own cancellation
         with contextlib.suppress(OSError):  # a reset connection is closed all the same
@@ -106,11 +109,11 @@ class AsyncioSlicer(AsyncCalls):
             return None
 
     async def _close_now(self) -> None:
-        self._writer.close()
+        self._writer.transport.abort()  # as in `_close`: a stopped daemon reads nothing
 
-    async def _within(self, timeout: float | None, work: Awaitable[T]) -> T:
-        async with asyncio.timeout(timeout):
-            return await work
+    async def _within(self, timeout: float | None, work: Callable[[], Awaitable[T]]) -> T:
+        async with asyncio.timeout(None if timeout is None else max(0.0, timeout)):
+            return await work()
 
     async def _reply(self, call: proto.Call[Any]) -> None:
         await self._drain()
@@ -128,10 +131,10 @@ class AsyncioSlicer(AsyncCalls):
             )
 
     async def _end_turn(self, t: Turn, park: str, loud: bool) -> None:
-        if await _shielded(self._release_within(t, park)) and loud:
+        if await _shielded(self._release_within(t, park, loud)) and loud:
             raise Unreachable(release_stuck(self.release_timeout))
 
-    async def _release_within(self, t: Turn, park: str) -> bool:
+    async def _release_within(self, t: Turn, park: str, loud: bool) -> bool:
         # True when the release got no reply in time (the connection is then closed).
         try:
             async with asyncio.timeout(self.release_timeout):
@@ -139,6 +142,13 @@ class AsyncioSlicer(AsyncCalls):
         except TimeoutError:
             await self.aclose()
             return True
+        except (ClientError, proto.ProtocolError):
+            if loud:
+                raise
+            # The body's own exception (or cancellation) is what the caller must see, not
+            # the daemon's death found by the release.
+            if self._session.failed:
+                await self.aclose()
         return False
 
 

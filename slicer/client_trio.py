@@ -9,6 +9,13 @@ right away, in a trio system task (`trio.lowlevel.spawn_system_task`: no nursery
 caller's is at hand, and asking for one would change `connect`) that it owns: the task
 ends once the ACQUIRE is answered (a grant's RELEASE written), `aclose` cancels it and waits
 for it, and it never raises (a failure goes to the session, which every call then raises).
+
+KeyboardInterrupt: trio delivers it at any checkpoint of unprotected code, so one that
+arrives between the steps of a call (after its ACQUIRE line was written, before the call was
+marked abandoned) may leave that ACQUIRE un-abandoned: nobody reads for its grant, and the
+daemon counts that turn as this connection's. A program that catches KeyboardInterrupt
+should close the connection (``aclose``, or leave its ``async with``) rather than keep
+using it; closing gives back whatever the connection held.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Self, TypeVar
 import trio
 
 from gpu_slicer import proto
-from gpu_slicer.proto import Turn, Unreachable
+from gpu_slicer.proto import ClientError, Turn, Unreachable
 from gpu_slicer.slicer.client_async import AsyncCalls
 from gpu_slicer.slicer.client_common import (
     RECV_SIZE,
@@ -77,9 +84,9 @@ class AsyncSlicer(AsyncCalls):
     async def _close_now(self) -> None:
         await trio.aclose_forcefully(self._stream)
 
-    async def _within(self, timeout: float | None, work: Awaitable[T]) -> T:
-        with trio.fail_after(math.inf if timeout is None else timeout):
-            return await work
+    async def _within(self, timeout: float | None, work: Callable[[], Awaitable[T]]) -> T:
+        with trio.fail_after(math.inf if timeout is None else max(0.0, timeout)):
+            return await work()
 
     async def _write(self, data: bytes) -> None:
         # Under the send lock. Once begun, lines are written whole (shielded, bounded):
@@ -126,13 +133,19 @@ class AsyncSlicer(AsyncCalls):
 
     async def _read_for_late_grant(self, scope: trio.CancelScope, done: trio.Event) -> None:
         # A system task must not raise (trio would end the whole run): the shared reading
-        # never does.
+        # raises no Exception, and a BaseException of an `on_event` callback (SystemExit,
+        # KeyboardInterrupt) fails the session here. Cancellation ends it as it should.
         try:
             with scope:
                 # Its loop is checked again with no checkpoint before `finally`: an ACQUIRE
                 # abandoned while `_pump` flushed found this task still running and started
                 # none.
                 await self._read_until_answered()
+        except trio.Cancelled:
+            raise
+        except BaseException as e:
+            with trio.CancelScope(shield=True):
+                await self._reader_failed(e)
         finally:
             if self._reader is not None and self._reader[0] is scope:
                 self._reader = None
@@ -140,8 +153,17 @@ class AsyncSlicer(AsyncCalls):
 
     async def _end_turn(self, t: Turn, park: str, loud: bool) -> None:
         with trio.CancelScope(shield=True):
-            with trio.move_on_after(self.release_timeout) as bound:
-                await self.release(t, park)
+            try:
+                with trio.move_on_after(self.release_timeout) as bound:
+                    await self.release(t, park)
+            except (ClientError, proto.ProtocolError):
+                if loud:
+                    raise
+                # The body's own exception (or cancellation) is what the caller must see,
+                # not the daemon's death found by the release.
+                if self._session.failed:
+                    await self.aclose()
+                return
             if bound.cancelled_caught:
                 await self.aclose()
                 if loud:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import signal
 import socket
 import tempfile
 import threading
@@ -428,6 +429,69 @@ def test_sync_turn_release_that_never_ends_closes_the_connection() -> None:
                 s.ping()
 
 
+class Stop(BaseException):
+    """Neither an Exception nor a cancellation: as KeyboardInterrupt or SystemExit."""
+
+
+@pytest.mark.parametrize("error", [RuntimeError, Stop])
+async def test_a_callback_raising_in_the_late_grant_reader_fails_the_session_and_closes(
+    autojump_clock: object, error: type[BaseException]
+) -> None:
+    """The background reader of an abandoned ACQUIRE cannot go on once `on_event` raised:
+    it fails the session and closes the connection, so the daemon ends a late grant rather
+    than count it as this connection's turn; no BaseException escapes its trio system task
+    (before the fix: the socket stayed open, and `Stop` crashed the trio run)."""
+    with trio.fail_after(600):
+        ours, theirs = trio.testing.memory_stream_pair()
+        buf = proto.LineBuffer()
+        async with AsyncSlicer(ours, "w") as s:
+            with trio.move_on_after(1):
+                await s.acquire()
+            assert await read_lines(theirs, buf) == [b"ACQUIRE w"]
+
+            def boom(msg: proto.ServerMessage) -> None:
+                raise error("callback")
+
+            s.on_event = boom
+            await theirs.send_all(b"WAITING w turn=1 waiters=1\n")
+            assert await theirs.receive_some() == b""  # closed by the client
+            with pytest.raises(Unreachable):
+                await s.ping()
+
+
+def _listening() -> tuple[socket.socket, str]:
+    # A peer that accepts nothing and reads nothing: connects succeed (the backlog).
+    path = str(Path(tempfile.mkdtemp()) / "s.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    return srv, path
+
+
+def test_sync_a_negative_timeout_is_a_timeout() -> None:
+    """Below 0 reads as 0 (a poll): `TimeoutError`, as every other timeout (before the
+    fix: ValueError from settimeout, and 0 lost the connection)."""
+    srv, path = _listening()
+    with srv, Slicer(path, "w", timeout=5) as s:
+        for timeout in (-1.0, 0.0):
+            with pytest.raises(TimeoutError):
+                s.next_message(timeout=timeout)
+        with pytest.raises(TimeoutError):
+            s.request(proto.Ping(), timeout=-1)
+
+
+async def test_async_a_negative_timeout_is_too_slow() -> None:
+    """`trio.TooSlowError`, as every other timeout of the trio client, and no coroutine
+    left never awaited (a RuntimeWarning: an error under filterwarnings=error)."""
+    with trio.fail_after(5):
+        async with scripted_async([]) as (s, n, _):
+            with pytest.raises(trio.TooSlowError):
+                await s.next_message(timeout=-1)
+            with pytest.raises(trio.TooSlowError):
+                await s.request(proto.Ping(), timeout=-1)
+            n.cancel_scope.cancel()
+
+
 # ---- against the real daemon -------------------------------------------------------
 
 
@@ -464,4 +528,26 @@ async def test_a_timed_out_acquire_does_not_leave_its_client_busy() -> None:
                 await run(c.release, t)
             finally:
                 c.close()
+            assert stack.overlaps() == 0
+
+
+@pytest.mark.integration
+async def test_sync_a_turn_whose_daemon_dies_mid_body_raises_the_body_s_error() -> None:
+    """slicerd SIGKILLed during the body, which then raises: that error goes on, not the
+    `Unreachable` the release met (before the fix it replaced the body's error, and a
+    KeyboardInterrupt with it)."""
+    with trio.fail_after(60):
+        async with running_stack() as stack:
+            pid, token = stack.sleeper(), trio.lowlevel.current_trio_token()
+
+            def main() -> None:
+                with Slicer(stack.socket, "w", timeout=10) as s:
+                    s.register(pid=pid, park="cooperative")
+                    with pytest.raises(Boom), s.turn(wait=20.0):
+                        trio.from_thread.run(stack.stop, signal.SIGKILL, trio_token=token)
+                        raise Boom
+                    with pytest.raises(Unreachable):
+                        s.ping()  # the connection was failed and closed
+
+            await trio.to_thread.run_sync(main, abandon_on_cancel=True)
             assert stack.overlaps() == 0

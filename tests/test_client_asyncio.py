@@ -14,7 +14,8 @@ import contextlib
 import functools
 import inspect
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -518,3 +519,103 @@ async def test_a_fault_of_the_trainer_s_park_raises_faulted() -> None:
             await w.release(w_turns[0])
             await w.aclose()
             assert stack.overlaps() == 0
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("ending", ["raise", "cancel"])
+async def test_a_turn_whose_daemon_dies_mid_body_keeps_the_body_s_outcome_trio(
+    ending: str,
+) -> None:
+    """slicerd SIGKILLed during the body: the body's exception, or its cancellation, goes
+    on; the `Unreachable` the release met does not replace it (before the fix it did, so a
+    `move_on_after` around the turn raised instead of moving on)."""
+    with trio.fail_after(60):
+        async with running_stack() as stack, await stack.client() as s:
+            await s.register("w", pid=stack.sleeper(), park="cooperative")
+            with trio.CancelScope() as scope, contextlib.ExitStack() as expect:
+                if ending == "raise":
+                    expect.enter_context(pytest.raises(Boom))
+                async with s.turn(wait=WAIT):
+                    await stack.stop(signal.SIGKILL)
+                    if ending == "raise":
+                        raise Boom
+                    scope.cancel()
+                    await trio.sleep_forever()
+            assert scope.cancelled_caught == (ending == "cancel")
+            with pytest.raises(Unreachable):
+                await s.ping()  # the connection was failed and closed
+            assert stack.overlaps() == 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("ending", ["raise", "timeout"])
+async def test_a_turn_whose_daemon_dies_mid_body_keeps_the_body_s_outcome_asyncio(
+    ending: str,
+) -> None:
+    """As under trio: the body's exception, or the `asyncio.timeout` around it, goes on."""
+    with trio.fail_after(60):
+        async with running_stack() as stack:
+            pid, on_trio = stack.sleeper(), OnTrio()
+
+            async def main() -> None:
+                async with await AsyncioSlicer.connect(stack.socket, "w") as s:
+                    await s.register(pid=pid, park="cooperative")
+                    with pytest.raises(Boom if ending == "raise" else TimeoutError):
+                        async with asyncio.timeout(None) as bound, s.turn(wait=WAIT):
+                            await on_trio(stack.stop, signal.SIGKILL)
+                            if ending == "raise":
+                                raise Boom
+                            bound.reschedule(asyncio.get_running_loop().time())
+                            await asyncio.Event().wait()
+                    with pytest.raises(Unreachable):
+                        await s.ping()
+
+            await in_asyncio(main)
+            assert stack.overlaps() == 0
+
+
+@contextlib.contextmanager
+def silent_peer(path: str) -> Iterator[None]:
+    """A Unix socket at `path` that accepts nothing and reads nothing, as a stopped daemon
+    (connects succeed all the same: the backlog)."""
+    with socket.socket(socket.AF_UNIX) as srv:
+        srv.bind(path)
+        srv.listen(1)
+        yield
+
+
+def test_a_negative_timeout_is_a_timeout(tmp_path: Path) -> None:
+    """`TimeoutError`, as every other timeout of the asyncio client."""
+    path = str(tmp_path / "s.sock")
+
+    async def main() -> None:
+        async with await AsyncioSlicer.connect(path, "w") as s:
+            with pytest.raises(TimeoutError):
+                await s.next_message(timeout=-1)
+            with pytest.raises(TimeoutError):
+                await s.request(proto.Ping(), timeout=-1)
+
+    with silent_peer(path):
+        asyncio.run(main())
+
+
+def test_aclose_returns_while_the_daemon_reads_nothing(tmp_path: Path) -> None:
+    """A stopped daemon reads nothing: `aclose` with bytes still buffered returns at once
+    (before the fix it waited for them to be written, forever)."""
+    path = str(tmp_path / "s.sock")
+    with silent_peer(path):
+
+        async def main() -> None:
+            s = await AsyncioSlicer.connect(path, "w")
+            # Requests the peer never reads, more than the socket's buffers hold: they
+            # stay in the transport's buffer.
+            s._writer.write(b"PING\n" * 400_000)
+            assert s._writer.transport.get_write_buffer_size() > 0
+            async with asyncio.timeout(10):
+                await s.aclose()
+
+        asyncio.run(main())

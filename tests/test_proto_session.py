@@ -408,6 +408,29 @@ def test_on_event_sees_each_line_as_it_is_queued() -> None:
     assert seen == [Waiting("w", 1, 1), Fault("w", 1, "r")] == list(s.events)
 
 
+def test_an_on_event_callback_that_raises_loses_no_line() -> None:
+    """The callback's error goes to the caller, and every line of that data was taken:
+    the next reply answers the next call (before the fix the OK after the raising WAITING
+    was lost, and the STATUS reply below answered the PING)."""
+    s = ClientSession("w")
+    ping, status = s.ping(), s.status()
+    seen: list[proto.ServerMessage] = []
+
+    def boom(msg: proto.ServerMessage) -> None:
+        seen.append(msg)
+        raise RuntimeError("callback")
+
+    s.on_event = boom
+    with pytest.raises(RuntimeError, match="callback"):
+        s.receive_data(b"WAITING w turn=1 waiters=1\nOK\nFAULT w turn=1 reason=r\n")
+    assert seen == [Waiting("w", 1, 1)]  # raised at the first; the rest are still queued
+    assert list(s.events) == [Waiting("w", 1, 1), Fault("w", 1, "r")]
+    assert ping.done and ping.result() is None and not s.failed
+    s.on_event = None
+    s.receive_data(b'OK {"gpus": []}\n')
+    assert status.result() == {"gpus": []} and s.pending == 0
+
+
 def test_faulted_keeps_the_fault_and_the_reply() -> None:
     s = ClientSession()
     call = s.release(W1)
