@@ -14,7 +14,8 @@ doubles' stack harness, and measures with `time.perf_counter_ns`:
 2. ping: PING round trips on one connection with the blocking `Slicer`, the trio
    `AsyncSlicer` and the asyncio `AsyncioSlicer`; median and p99 in µs, and each async
    client's median over the blocking one's (the transport's own cost on top of the
-   daemon's).
+   daemon's); and the blocking client's PINGs again while another client scrapes
+   without pause (with the most workloads): what scraping costs the daemon's clients.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import asyncio
 import json
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,11 @@ def _scrape(port: int) -> bytes:
     if not head.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(f"scrape failed: {head[:80]!r}")
     return body
+
+
+def _scrape_until(port: int, stop: threading.Event) -> None:
+    while not stop.is_set():
+        _scrape(port)
 
 
 def _scrapes(port: int, n: int) -> tuple[dict[str, float], int]:
@@ -126,6 +133,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sock, n = stack.socket, args.pings
                 blocking = await trio.to_thread.run_sync(_blocking_pings, sock, n)
                 out["ping"]["blocking"] = _stats(blocking, 1e3)
+                # The same PINGs while another client scrapes without pause: what a
+                # scrape's work on the daemon's loop costs everyone else.
+                async with trio.open_nursery() as nursery:
+                    stop = threading.Event()
+                    nursery.start_soon(trio.to_thread.run_sync, _scrape_until, port, stop)
+                    try:
+                        during = await trio.to_thread.run_sync(_blocking_pings, sock, n)
+                    finally:
+                        stop.set()
+                out["ping_during_scrapes"] = _stats(during, 1e3)
                 out["ping"]["trio"] = _stats(await _async_pings(AsyncSlicer, sock, n), 1e3)
                 aio = await trio.to_thread.run_sync(
                     asyncio.run, _async_pings(AsyncioSlicer, sock, n)
@@ -159,6 +176,8 @@ def main() -> int:
     for row in res["scrape"]:
         ms = row["ms"]
         print(f"  {row['workloads']:>9} {ms['p50']:>8.2f} {ms['p99']:>8.2f} {row['bytes']:>9}")
+    st = res["ping_during_scrapes"]
+    print(f"  PING while another client scrapes: p50 {st['p50']:.1f} us, p99 {st['p99']:.1f} us")
     print("PING round trip on one connection")
     print(f"  {'client':>9} {'p50 us':>8} {'p99 us':>8} {'p50 / blocking':>15}")
     for kind, st in res["ping"].items():

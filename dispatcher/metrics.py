@@ -23,7 +23,6 @@ from collections.abc import Iterator
 
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpu_slicer.dispatcher.turns import TurnLoop
@@ -32,7 +31,7 @@ __all__ = ["CONTENT_TYPE", "DispatchCollector", "registry_for", "render_metrics"
 
 # The classic text format's own type, as the hand-written exposition answered (and what
 # generate_latest writes); prometheus-client's CONTENT_TYPE_LATEST says 1.0.0 instead.
-CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "slicer_dispatch_"
 
 _registries: weakref.WeakKeyDictionary[TurnLoop, CollectorRegistry] = weakref.WeakKeyDictionary()

@@ -27,7 +27,8 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+import trio
+from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -37,10 +38,13 @@ from gpu_slicer.slicer.model import WState
 if TYPE_CHECKING:
     from gpu_slicer.slicer.server import Server
 
-__all__ = ["READING_TTL", "SlicerMetrics"]
+__all__ = ["CONTENT_TYPE", "READING_TTL", "SlicerMetrics"]
 
 log = logging.getLogger("slicer.metrics")
 
+# The classic text format's type, which every Prometheus reads (generate_latest writes that
+# format; newer prometheus-client versions name 1.0.0 in CONTENT_TYPE_LATEST instead).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 READING_TTL = 1.0  # seconds a scrape's reading of the GPUs is shared by the next scrapes
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800, 3600)
 MOVE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -105,7 +109,7 @@ class SlicerMetrics:
         self._moving: dict[int, tuple[str, str, int]] = {}
         # The label sets of each workload's children in the workload-labelled series.
         self._labelled: dict[str, set[tuple[Counter, tuple[str, ...]]]] = {}
-        reg.register(_StateCollector(server))
+        self._state = _StateCollector(server)
 
     def event(self, body: dict[str, Any]) -> None:
         """Count one WATCH event (the server calls this for each one it performs)."""
@@ -168,9 +172,27 @@ class SlicerMetrics:
         w = self.server.sm.registered.get(name)
         return w.parked_bytes if w is not None else 0
 
-    def render(self) -> tuple[bytes, str]:
-        """The exposition text of every series now, and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    async def render(self) -> tuple[bytes, str]:
+        """The exposition text of every series now, and its content type.
+
+        The state machine's gauges are read here, on the daemon's loop, as a snapshot;
+        writing the text (most of a scrape's cost: about 20 ms with 200 workloads on two
+        cores, `bench/surface.py`) runs in a worker thread, so the loop serves clients
+        meanwhile. The counters and histograms are safe to read there (prometheus-client
+        guards them with locks)."""
+        snapshot = _Snapshot(self.registry, list(self._state.collect()))
+        return await trio.to_thread.run_sync(generate_latest, snapshot), CONTENT_TYPE
+
+
+class _Snapshot:
+    # What generate_latest asks of a registry: the live counters, then the gauges read
+    # on the loop.
+    def __init__(self, registry: CollectorRegistry, gauges: list[Metric]) -> None:
+        self.registry, self.gauges = registry, gauges
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.registry.collect()
+        yield from self.gauges
 
 
 def _per_gpu(

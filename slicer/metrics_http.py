@@ -27,7 +27,7 @@ import contextlib
 import errno
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -102,7 +102,7 @@ async def serve_metrics(
 
 async def serve(
     listen: str,
-    render: Callable[[], tuple[bytes, str]],
+    render: Callable[[], Awaitable[tuple[bytes, str]]],
     *,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -144,7 +144,7 @@ def _address(listener: trio.SocketListener) -> tuple[str, int]:
 
 
 class _Responder:
-    def __init__(self, render: Callable[[], tuple[bytes, str]]) -> None:
+    def __init__(self, render: Callable[[], Awaitable[tuple[bytes, str]]]) -> None:
         self.render = render
         self.active = 0
 
@@ -196,7 +196,7 @@ class _Responder:
             await _answer(stream, 405, b"only GET\n", allow=True)
             return
         try:
-            body, ctype = self.render()
+            body, ctype = await self.render()
         except Exception:
             log.exception("rendering the metrics failed")
             await _answer(stream, 500, b"rendering the metrics failed\n")

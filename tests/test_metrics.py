@@ -300,7 +300,7 @@ async def test_an_unregistered_workloads_series_are_removed() -> None:
 async def _render_server(nursery: trio.Nursery) -> int:
     from gpu_slicer.slicer.metrics_http import serve
 
-    def render() -> tuple[bytes, str]:
+    async def render() -> tuple[bytes, str]:
         return b"slicer_up 1\n", "text/plain; version=0.0.4"
 
     addresses = await nursery.start(serve, "127.0.0.1:0", render)
