@@ -6,7 +6,9 @@ The dispatcher talks to vLLM through a recording proxy in this test. For every c
 proxy notes, before forwarding it, whether slicerd says the replica's workload holds the
 GPU, how many generation calls are in flight, and how long vLLM took. From that record
 the test checks the order the dispatcher issue specifies, per turn: calls only inside a
-turn of the replica, recovery (one bare finish) and a whole load before the first
+turn of the replica (the read-only health probes, ``GET /health`` and ``GET
+/weight_info``, excepted: they do no GPU work and are asked between turns too),
+recovery (one bare finish) and a whole load before the first
 generation of a dispatcher's life, wake before any generation, a load whole (reload,
 label, prefix-cache reset, check) and never under a generation, sleep at the end of
 every turn, never ``/resume``. It kills the dispatcher with SIGKILL while generations
@@ -214,10 +216,27 @@ async def swap_weights_behind_the_label(stack: Stack, url: str, models: Path) ->
         await c.release(turn, park="now")
 
 
+# The dispatcher's health probes (README, "What is wrong, and readiness"): read-only
+# questions that do no GPU work, asked between its turns too. Every call that can (wake,
+# load, generate, sleep) is held to the order below.
+PROBES = ("/health", "/weight_info")
+
+
+def _probe(c: Call) -> bool:
+    return c.method == "GET" and c.path in PROBES
+
+
 def check_order(calls: list[Call], killed_life: int) -> None:
     """The dispatcher issue's order, per dispatcher life and per turn (module docstring)."""
     for life in sorted({c.life for c in calls}):
-        seq = [c for c in calls if c.life == life and not c.dropped]
+        # A probe outside a turn of v, or one landing in a turn's last moments (after its
+        # sleep, before its RELEASE), is not a call of that turn's.
+        seq = [
+            c
+            for c in calls
+            if c.life == life and not c.dropped and not (_probe(c) and not c.v_active)
+            and not (c.method == "GET" and c.path == "/health")
+        ]  # fmt: skip
         where = f"life {life}"
         outside = [f"{c.method} {c.path}" for c in seq if not c.v_active]
         assert not outside, f"{where}: calls outside a turn of 'v': {outside}"
@@ -231,6 +250,10 @@ def check_order(calls: list[Call], killed_life: int) -> None:
         turns = sorted({c.turn for c in seq if c.turn is not None})
         for t in turns:
             tseq = [c for c in seq if c.turn == t]
+            while tseq and _probe(tseq[-1]) and any(x.path == "/sleep" for x in tseq):
+                tseq.pop()  # a probe after the turn's sleep, before its RELEASE
+            if not tseq:
+                continue  # a turn of the test's own, seen only by a probe
             tw = f"{where} turn {t}"
             awake = False
             for i, c in enumerate(tseq):
