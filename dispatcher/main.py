@@ -59,7 +59,6 @@ import os
 import signal
 import sys
 from functools import partial
-from typing import Any
 
 import click
 import trio
@@ -75,7 +74,7 @@ from gpu_slicer.dispatcher.model import (
 from gpu_slicer.dispatcher.store import SYNC_MODES, Store
 from gpu_slicer.dispatcher.turns import TurnLoop
 from gpu_slicer.dispatcher.vllm import Replica
-from gpu_slicer.slicer.exits import run_command, single_error
+from gpu_slicer.slicer.exits import OneLineCommand, single_error
 
 PROG = "slicer-dispatch"
 
@@ -118,14 +117,7 @@ def _bind(listen: str | None, listen_unix: str | None) -> str:
     return listen or "127.0.0.1:8100"
 
 
-class _Dispatch(click.Command):
-    """The command run as a program: failures in one line (`slicer.exits.run_command`)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        run_command(self, PROG)
-
-
-@click.command(cls=_Dispatch, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(PROG, cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--workload", required=True, callback=startup.check_name,
               help="the replica's workload name in slicerd")  # fmt: skip
 @click.option("--replica", "replica_url", required=True, callback=startup.check_replica_url,

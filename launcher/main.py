@@ -34,7 +34,7 @@ from gpu_slicer import proto
 from gpu_slicer.launcher.config import LaunchConfig, VllmConfig, setup_logging
 from gpu_slicer.launcher.supervise import Profile, Supervisor
 from gpu_slicer.launcher.vllm import VllmProfile
-from gpu_slicer.slicer.exits import CliFailure, run_command, single_error
+from gpu_slicer.slicer.exits import CliFailure, OneLineGroup, single_error
 
 PROG = "slicer-launch"
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -159,14 +159,7 @@ def _launch(kw: dict[str, Any], profile: Profile) -> None:
     sys.exit(code)
 
 
-class _Launcher(click.Group):
-    """The group run as a program: failures in one line (`slicer.exits.run_command`)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        run_command(self, PROG)
-
-
-@click.group(cls=_Launcher, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(name=PROG, cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Register a workload with slicerd and supervise its processes."""
 
