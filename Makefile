@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck unit integration verify-units bench clean soak test-vllm
+.PHONY: image test demo demo-k8s lint typecheck unit integration verify-units bench clean soak test-vllm
 
 $(BIN)/python:
 	@echo "make: creating the virtual environment $(VENV) with $(PY)"
@@ -29,8 +29,8 @@ $(DEMO_STAMP): pyproject.toml stubs/pyproject.toml | $(BIN)/python
 # PyPI's torch is the CUDA build (several GB with its libraries): where the CPU wheel is
 # not already where pip looks, TORCH_INDEX=https://download.pytorch.org/whl/cpu gets it.
 $(STAMP): $(DEMO_STAMP) pyproject.toml stubs/pyproject.toml
-	@echo "make: installing the test tools: pytest, hypothesis, ruff, mypy, openai" \
-		"(the dev extra; about 110 MB, about 15 s)"
+	@echo "make: installing the test tools: pytest, hypothesis, ruff, mypy, openai," \
+		"kubernetes-validate (the dev extra; about 220 MB, about 30 s)"
 	$(BIN)/python -m pip install -q -e '.[dev,charts]' -e ./stubs
 	@echo "make: installing torch (the torch extra; the CPU build: about 900 MB from a 190 MB" \
 		"wheel, about 45 s; PyPI's CUDA build is several GB, see TORCH_INDEX in the Makefile)"
@@ -69,8 +69,23 @@ test: verify-units lint typecheck unit integration
 test-vllm: $(STAMP)
 	PY=$(PY) vllm_tier/run.sh
 
+# The image (Containerfile), built with buildah on a base bootstrapped from Debian's
+# packages, so no image registry is needed (deploy/build-image.sh; as root, a few minutes the
+# first time): it installs buildah and debootstrap with apt-get where they are missing, then
+# builds, smoke-checks and exports build/image/gpu-slicer.tar. Not part of `make test`.
+image:
+	@command -v buildah >/dev/null && command -v debootstrap >/dev/null || { \
+		echo "make: installing buildah and debootstrap (apt-get)"; \
+		apt-get update -q && apt-get install -y -q buildah debootstrap; }
+	deploy/build-image.sh
+
 demo: $(DEMO_STAMP)
 	$(BIN)/python -m demo
+
+# The same loop in Kubernetes' node mode: slicerd on the host, the job's processes in a
+# simulated pod (a PID + mount namespace: needs root, unshare and nsenter); same report.
+demo-k8s: $(DEMO_STAMP)
+	$(BIN)/python -m demo --pods
 
 # The handoff micro-benchmark, the dispatcher benchmark, one profiled run of each (the
 # profile summaries), then the share-efficiency scenarios and levers; regenerates

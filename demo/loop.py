@@ -17,6 +17,12 @@ process group of its own and each awaited on an event (a file or a log line, bou
 4. In this process, the sampling client (`demo.client`): as each revision appears
    it sends ``--requests`` requests pinned to it and long-polls their results.
 
+With ``--pods`` (`make demo-k8s`) it is Kubernetes' node mode: slicerd stays on the host
+(the DaemonSet, hostPID) and the launcher, the dispatcher and the trainer run as
+containers of one pod, a PID and a mount namespace of their own (`stubs.pods`): they
+register pids as their pod sees them, slicerd translates them, and the report is the
+same. The pod is killed (everything in it) when the run ends, whatever happened.
+
 The run ends when every request is settled (or the client's deadline passed); then the
 trainer must have exited 0, the dispatcher and the launcher get SIGTERM (each ends its
 turn cleanly, exit 0 expected; SIGKILL after a bound), and slicerd last. Whatever is
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -52,6 +59,7 @@ from demo.proc import (
 )
 from gpu_slicer.dispatcher.events import follow_events
 from stubs.fakegpu import Ledger, format_size
+from stubs.pods import Pod, running_pod
 from stubs.proc import free_port
 
 BOOT_TIMEOUT_S = 60.0
@@ -100,8 +108,34 @@ def vllm_command(opts: argparse.Namespace, port: int) -> list[str]:
     return argv
 
 
+def _spawn(
+    pod: Pod | None, name: str, argv: list[str], env: dict[str, str], log: Path
+) -> subprocess.Popen[bytes]:
+    """A child, or with `pod` a container of it (its nsenter parent is returned)."""
+    if pod is None:
+        return spawn(argv, env, log)
+    return pod.spawn(name, argv, env, log).proc
+
+
+async def _stop(pod: Pod | None, procs: Procs, name: str) -> int:
+    """SIGTERM child `name` (a container: its process, not its nsenter parent)."""
+    if pod is not None:
+        return await pod.containers[name].stop(STOP_GRACE_S)
+    return await stop(procs.children[name], STOP_GRACE_S)
+
+
 async def run_loop(opts: argparse.Namespace, base: Path, procs: Procs, rec: Recording) -> None:
     """The whole loop (module docstring); fills `rec` (events, client report, exit codes)."""
+    if not getattr(opts, "pods", False):
+        await _run_loop(opts, base, procs, rec, None)
+        return
+    async with running_pod(base, "job") as pod:
+        await _run_loop(opts, base, procs, rec, pod)
+
+
+async def _run_loop(
+    opts: argparse.Namespace, base: Path, procs: Procs, rec: Recording, pod: Pod | None
+) -> None:
     env = child_env(base, opts.bandwidth)
     if opts.real:
         daemon_args = ["--gpu-backend", "nvml"]
@@ -120,7 +154,7 @@ async def run_loop(opts: argparse.Namespace, base: Path, procs: Procs, rec: Reco
         boot = REAL_BOOT_TIMEOUT_S if opts.real else BOOT_TIMEOUT_S
         argv += ["--socket", sock, "--ready-file", str(ready), "--boot-timeout", f"{boot:g}"]
         argv += ["--health-timeout", f"{boot:g}", "--", *vllm_command(opts, vport)]
-        procs.children["sampler"] = spawn(argv, env, base / "sampler.log")
+        procs.children["sampler"] = _spawn(pod, "sampler", argv, env, base / "sampler.log")
         await _until("the vLLM replica's boot", ready.exists, boot + 10, procs, base)
 
         dlog = base / "dispatcher.log"
@@ -128,7 +162,7 @@ async def run_loop(opts: argparse.Namespace, base: Path, procs: Procs, rec: Reco
         argv += ["--replica", f"http://127.0.0.1:{vport}", "--listen", f"127.0.0.1:{dport}"]
         argv += ["--socket", sock, "--state-dir", str(base / "dispatch")]
         argv += ["--turn-seconds", "1", "--turn-grace", "2", "--concurrency", "64"]
-        procs.children["dispatcher"] = spawn(argv, env, dlog)
+        procs.children["dispatcher"] = _spawn(pod, "dispatcher", argv, env, dlog)
         await _until("the dispatcher's listening", _has_line(dlog, "listening on"),
                      LISTEN_TIMEOUT_S, procs, base)  # fmt: skip
 
@@ -149,7 +183,7 @@ async def run_loop(opts: argparse.Namespace, base: Path, procs: Procs, rec: Reco
         argv += ["--steps", str(opts.revisions), "--revisions-dir", str(base / "ckpt")]
         argv += ["--publish-url", url, "--pause", str(TRAINER_PAUSE_S), "--last-park", "now"]
         argv += ["--device", "cuda"] if opts.real else []
-        procs.children["trainer"] = spawn(argv, env, base / "trainer.log")
+        procs.children["trainer"] = _spawn(pod, "trainer", argv, env, base / "trainer.log")
 
         async def guard() -> None:  # a child that dies (the trainer: with an error) ends it
             while True:
@@ -171,9 +205,9 @@ async def run_loop(opts: argparse.Namespace, base: Path, procs: Procs, rec: Reco
                 + log_tail(base / "trainer.log")
             )
         # The dispatcher ends a turn it holds (vLLM to sleep, RELEASE) before it exits.
-        rec.exit_codes["dispatcher"] = await stop(procs.children["dispatcher"], STOP_GRACE_S)
+        rec.exit_codes["dispatcher"] = await _stop(pod, procs, "dispatcher")
         rec.stop_local = time.monotonic()
-        rec.exit_codes["sampler"] = await stop(procs.children["sampler"], STOP_GRACE_S)
+        rec.exit_codes["sampler"] = await _stop(pod, procs, "sampler")
         # Let the daemon notice the closed registrations before it is stopped.
         with trio.move_on_after(SETTLE_S):
             while not {"sampler", "trainer"} <= {
@@ -193,9 +227,14 @@ def describe(opts: argparse.Namespace) -> str:
             f"{opts.revisions} training steps x {opts.requests} requests"
         )
     awake = int(VLLM_UTILIZATION * opts.capacity)
+    where = (
+        "; node mode: slicerd on the host, the job's processes in a pod (PID + mount namespace)"
+        if getattr(opts, "pods", False)
+        else ""
+    )
     return (
         f"gpu-slicer demo: one {format_size(opts.capacity)} fake GPU; trainer "
         f"{format_size(opts.bytes)} (cuda-checkpoint at {opts.bandwidth}/s) and vLLM sampler "
         f"{format_size(awake)} awake (weights {VLLM_WEIGHTS}) never both fit; "
-        f"{opts.revisions} training steps x {opts.requests} requests each"
+        f"{opts.revisions} training steps x {opts.requests} requests each{where}"
     )

@@ -1,14 +1,17 @@
 """`make demo`: the gpu-slicer loop on a fake GPU, in one command.
 
-    python -m demo [--mode loop|trainers] [--json] [--keep DIR] ...
+    python -m demo [--mode loop|trainers] [--pods] [--json] [--keep DIR] ...
 
 ``--mode loop`` (the default, `demo.loop`): slicerd, a vLLM replica (the stub)
 under ``slicer-launch``, ``slicer-dispatch`` in front of it, a trainer stub whose every
 step publishes a revision, and a client sampling each revision ``--requests`` times. It
 prints a timeline of who held the GPU, park/restore times, the GPU busy fraction, the
 overlap count and how many requests were served with their revision, and writes the
-timeline as a PNG (``--png``). ``--real`` runs the same loop with real vLLM,
-cuda-checkpoint and NVML, or says exactly what is missing (exit 2, nothing started).
+timeline as a PNG (``--png``). ``--pods`` (`make demo-k8s`) runs the same loop in
+Kubernetes' node mode, the job's processes in a simulated pod (`demo.loop`; needs root,
+``unshare`` and ``nsenter``: says what is missing, exit 2). ``--real`` runs the same loop
+with real vLLM, cuda-checkpoint and NVML, or says exactly what is missing (exit 2,
+nothing started).
 
 ``--mode trainers``: slicerd and ``--trainers`` trainer stubs taking turns.
 
@@ -45,6 +48,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import shutil
 import signal
 import sys
@@ -153,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="real vLLM, cuda-checkpoint and NVML (says what is missing, exit 2)",
     )
     g.add_argument("--model", help="--real: the model vLLM serves")
+    g.add_argument(
+        "--pods",
+        action="store_true",
+        help="node mode: slicerd on the host, the job's processes in a simulated pod "
+        "(a PID + mount namespace; needs root, unshare, nsenter)",
+    )
     g = p.add_argument_group("trainers mode")
     g.add_argument(
         "--seconds", type=_positive, default=10.0, help="run length after the first grant"
@@ -251,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--trainers must be at least 2 (a handoff needs two)")
     if opts.real and opts.mode != "loop":
         parser.error("--real runs the loop (--mode loop)")
+    if opts.pods and (opts.real or opts.mode != "loop"):
+        parser.error("--pods runs the loop on the fake GPU (--mode loop, no --real)")
+    if opts.pods and (why := _pods_missing()):
+        print(f"demo --pods: cannot run here: {why}", file=sys.stderr)
+        return 2
     try:
         parse_size(opts.bandwidth)
     except ValueError as e:
@@ -281,6 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     return _execute(opts, base)
 
 
+def _pods_missing() -> str:
+    """Why a pod cannot be simulated here ('' when it can)."""
+    if os.geteuid() != 0:
+        return "making PID and mount namespaces needs root"
+    tools = [tool for tool in ("unshare", "nsenter", "mount", "bash") if not shutil.which(tool)]
+    return f"no {', '.join(tools)} on PATH" if tools else ""
+
+
 def _execute(opts: argparse.Namespace, base: Path) -> int:
     loop = opts.mode == "loop"
     if loop:
@@ -296,7 +319,8 @@ def _execute(opts: argparse.Namespace, base: Path) -> int:
             if loop
             else f"{opts.seconds:g} s"
         )
-        print(f"demo: {opts.mode} mode, running in {base} ({what}) ...", flush=True)
+        mode = f"{opts.mode} mode" + (" (node mode, in a pod)" if opts.pods else "")
+        print(f"demo: {mode}, running in {base} ({what}) ...", flush=True)
     procs, rec = Procs(), Recording()
     keep = bool(opts.keep)
     try:

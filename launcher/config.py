@@ -18,7 +18,7 @@ log = logging.getLogger("launcher")
 class Exit(enum.IntEnum):
     """Exit codes of `slicer-launch` other than the child's own."""
 
-    FAILED = 1  # the vLLM boot failed (never healthy, sleep refused, exited early)
+    FAILED = 1  # the vLLM boot failed (never healthy, sleep refused, exited early, port taken)
     USAGE = 64  # bad command line (EX_USAGE)
     UNREACHABLE = 69  # slicerd could not be reached to register at start (EX_UNAVAILABLE)
     FAULT = 70  # a FAULT arrived: the child's processes were stopped (EX_SOFTWARE)

@@ -7,7 +7,8 @@ Exit codes (every one but the child's own comes with one ``slicer-launch: error:
 line on stderr, never a traceback):
     N     the child's own exit code (128+S when it died of signal S), also after a
           SIGTERM/SIGINT to the launcher was forwarded to it (137: SIGKILLed after grace)
-    1     vLLM profile: the replica never got ready (exited early, /sleep failed, ...)
+    1     vLLM profile: the replica never got ready (exited early, /sleep failed, ...),
+          or its --host/--port was taken by another listener (checked before the boot turn)
     64    bad command line (unknown option, bad value, no COMMAND, an empty COMMAND);
           bare `slicer-launch` prints its help to stderr and exits 64 too
     69    slicerd could not be reached for the first REGISTER (--connect-timeout)

@@ -44,11 +44,15 @@ from gpu_slicer.slicer.notify import sd_notify
 
 
 class BootFailed(Exception):
-    """A profile's boot step failed; `code` is the launcher's exit code."""
+    """A profile's boot step failed; `code` is the launcher's exit code, `hint` what to
+    do (default: look at the replica's output)."""
 
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(
+        self, code: int, message: str, hint: str = "see the replica's output above"
+    ) -> None:
         super().__init__(message)
         self.code = code
+        self.hint = hint
 
 
 @dataclass(frozen=True)
@@ -183,8 +187,7 @@ class Supervisor:
                 nursery.start_soon(self._watch_child, self.child)
                 await self.profile.after_start(self, self.child)
             except BootFailed as e:
-                hint = "see the replica's output above"
-                self.stop(Stop("boot", e.code, f"vLLM boot failed: {e} ({hint})"))
+                self.stop(Stop("boot", e.code, f"vLLM boot failed: {e} ({e.hint})"))
 
     async def _watch_child(self, child: Child) -> None:
         rc = await child.wait()

@@ -3,9 +3,12 @@
 Theory of operation
 -------------------
 vLLM takes most of the GPU the moment it starts, so it may only boot while it holds a
-turn. Before the child starts, `before_start` ACQUIREs a *boot turn* for the workload on
-a connection of its own (bounded by `--boot-timeout` through `wait=`); the registrant
-connection stays owned by its reader. Then `after_start`:
+turn. Before the child starts, `before_start` checks that nothing listens on the server's
+HOST:PORT yet (a TCP connect that succeeds: another process, such as a vLLM left over
+from an earlier launch, would answer the probes below in the replica's place; the launch
+fails at once, exit 1, before any boot turn), then ACQUIREs a *boot turn* for the
+workload on a connection of its own (bounded by `--boot-timeout` through `wait=`); the
+registrant connection stays owned by its reader. Then `after_start`:
 
 1. polls `GET /health` every 0.25 s (each probe bounded) until 200, within
    `--health-timeout`; a child that exits ends the wait at once (the supervisor
@@ -54,17 +57,37 @@ def _flag(argv: Sequence[str], name: str) -> str | None:
     return value
 
 
-def server_url(argv: Sequence[str]) -> str:
-    """http://HOST:PORT of the server `argv` starts (a wildcard host reads as loopback)."""
+def server_address(argv: Sequence[str]) -> tuple[str, int]:
+    """(HOST, PORT) the server `argv` starts listens on, as a client reaches it (a
+    wildcard host reads as loopback)."""
     host = _flag(argv, "--host") or "127.0.0.1"
     port = _flag(argv, "--port") or "8000"
     if host in ("0.0.0.0", ""):
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
+    return host, int(port)
+
+
+def server_url(argv: Sequence[str]) -> str:
+    """http://HOST:PORT of the server `argv` starts (a wildcard host reads as loopback)."""
+    host, port = server_address(argv)
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{int(port)}"
+    return f"http://{host}:{port}"
+
+
+async def listening(host: str, port: int, timeout: float = PROBE_TIMEOUT) -> bool:
+    """Whether something accepts TCP connections on HOST:PORT now (refused, unreachable
+    or no answer within `timeout`: nothing does)."""
+    with trio.move_on_after(timeout):
+        try:
+            stream = await trio.open_tcp_stream(host, port)
+        except OSError:
+            return False
+        await stream.aclose()
+        return True
+    return False
 
 
 def write_marker(path: Path, text: str) -> None:
@@ -111,7 +134,16 @@ class VllmProfile(Profile):
                 pass
 
     async def before_start(self, sup: Supervisor) -> None:
-        """ACQUIRE the boot turn on a connection of its own, within --boot-timeout."""
+        """Check the server's port is free, then ACQUIRE the boot turn on a connection of
+        its own, within --boot-timeout."""
+        host, port = server_address(self.command(sup.argv))
+        if await listening(host, port):
+            raise BootFailed(
+                Exit.FAILED,
+                f"{host}:{port} is taken: another process listens there, and would answer "
+                "for the replica",
+                "stop it (a vLLM left from an earlier launch?), or give the server another --port",
+            )
         timeout = self.cfg.boot_timeout
         log.info("waiting for a boot turn (at most %.0f s)", timeout)
         with trio.move_on_after(timeout + 5) as scope:

@@ -133,7 +133,7 @@ def _register(workload: str, pairs: dict[str, str]) -> Register:
     gpu = pid = None
     if "gpu" in pairs:
         gpu = check_token("REGISTER", "gpu", pairs["gpu"], GPU_RE)
-    if "pid" in pairs:
+    if "pid" in pairs and pairs["pid"] != "self":  # self: the sender, as with no pid
         pid = parse_int("REGISTER", "pid", pairs["pid"], 1, PID_MAX)
     tree = parse_choice("REGISTER", "tree", pairs.get("tree", "1"), ("1", "0")) == "1"
     park = ParkMode(

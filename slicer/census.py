@@ -5,6 +5,19 @@ A process belongs to a workload when it is the workload's registered process, or
 so the cost grows with GPU processes (a handful), not with every process on the node.
 The census measures; what it means (what blocks a grant, whether a park held) is decided by
 the state machine (`slicer.policy`).
+
+Elimination (`eliminate`, config `census`): where the backend's pids are not in slicerd's
+PID namespace (slicerd in a pod; NVML reports host pids) nothing can be attributed by pid.
+Then the GPU's total is compared with what the workloads may hold: each workload the state
+machine holds to its budget (PARKED, REGISTERED) may hold its `parked_max`; the rest
+(`suspect`: ACTIVE, IDLE, FAULTED, PARKING, RESTORING) may hold anything. The excess over
+the budgets is charged in full to *every* suspect (each one could hold all of it), so a
+park is verified only if the GPU as a whole is within budget; with no suspect the excess
+is `unattributed` and blocks grants. What this can and cannot see is in README.md ("PID
+namespaces"): it never under-counts the GPU as a whole (a suspect's bytes are a lower
+bound on what it holds), it cannot say which process holds the excess, and a workload may
+exceed its own budget by what the others leave unused (a checkpointed one leaves nothing:
+its budget is 0, `slicer.attribution`).
 """
 
 from __future__ import annotations
@@ -15,7 +28,7 @@ from dataclasses import dataclass
 from gpu_slicer.slicer import procs
 from gpu_slicer.slicer.readings import Census
 
-__all__ = ["Census", "Root", "take"]
+__all__ = ["Census", "Root", "eliminate", "take"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +39,9 @@ class Root:
     pid: int
     start_time: int
     tree: bool
+    # For elimination: the budget it is held to, and whether it may hold more right now.
+    parked_max: int = 0
+    suspect: bool = False
 
 
 def take(
@@ -49,4 +65,21 @@ def take(
             continue
         out.bytes_by_wid[owner.wid] = out.bytes_by_wid.get(owner.wid, 0) + nbytes
         out.pids_by_wid.setdefault(owner.wid, []).append(pid)
+    return out
+
+
+def eliminate(gpu_procs: dict[int, int], roots: list[Root]) -> Census:
+    """Attribute `gpu_procs` (backend pid -> device bytes on one GPU, pids of a namespace
+    slicerd cannot read) to `roots` by elimination (module docstring)."""
+    total = sum(gpu_procs.values())
+    allowed = sum(r.parked_max for r in roots if not r.suspect)
+    excess = max(0, total - allowed)
+    out = Census()
+    suspects = [r for r in roots if r.suspect]
+    for r in suspects:
+        if excess:
+            out.bytes_by_wid[r.wid] = excess
+    if excess and not suspects:
+        out.unattributed = excess
+        out.unattributed_pids = sorted(gpu_procs)
     return out

@@ -220,7 +220,13 @@ def workload_table(workloads: list[dict[str, Any]]) -> str:
         for w in workloads
     ]
     headers = ["WORKLOAD", "GPU", "STATE", "TURN", "PIDS", "PARKS", "RESTORES"]
-    return render_table([*headers, "PARK_MS", "RESTORE_MS", "FAULTS"], rows)
+    headers += ["PARK_MS", "RESTORE_MS", "FAULTS"]
+    if any(w.get("ns_pid") is not None for w in workloads):
+        # A registrant in a pod knows its own numbers: the registered process's, there.
+        for row, w in zip(rows, workloads, strict=True):
+            row.insert(5, w.get("ns_pid"))
+        headers.insert(5, "POD_PID")
+    return render_table(headers, rows)
 
 
 def duration(seconds: float) -> str:

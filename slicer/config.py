@@ -51,6 +51,10 @@ class Config:
     restore_timeout: float = 120.0
     fault_kill_after: float = 60.0
     foreign: str = "block"
+    # How device memory is attributed to workloads: by the backend's pids (`pids`), or by
+    # elimination against the workloads' budgets where those pids are not slicerd's to
+    # read (`elimination`: slicerd in a pod, NVML speaking host pids); `auto` picks.
+    census: str = "auto"
     log_level: str = "info"
     max_connections: int = 1024
     # Per uid; root and allow_group members are exempt. The last `reserved_connections`
@@ -100,6 +104,8 @@ class Config:
             raise ConfigError(f"gpu_backend: {e}") from None
         if self.foreign not in ("block", "ignore"):
             raise ConfigError(f"foreign must be block or ignore, got {self.foreign!r}")
+        if self.census not in ("auto", "pids", "elimination"):
+            raise ConfigError(f"census must be auto, pids or elimination, got {self.census!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level must be debug, info, warning or error")
         for key in ("socket_group", "allow_group"):

@@ -34,6 +34,31 @@ def peer_credentials(sock: trio.socket.SocketType) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+SO_PEERPIDFD = 77  # Linux 6.5+; the socket module of Python 3.11 does not name it
+
+
+def peer_pidfd(sock: trio.socket.SocketType) -> int | None:
+    """A pidfd of the very process that connected (None where the kernel has none): it
+    tells whether the pid SO_PEERCRED gave still names that process."""
+    try:
+        return int(sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD))
+    except OSError:
+        return None
+
+
+def pidfd_names(fd: int, pid: int) -> bool:
+    """Whether pidfd `fd`'s process lives and has pid `pid` here (its fdinfo says -1 once
+    it has exited, and a live process's pid is never reused)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pid:"):
+                    return int(line.split()[1]) == pid
+    except (OSError, ValueError):
+        return False
+    return False
+
+
 class Connection:
     """One client: its stream, outbox, and the request it is waiting on."""
 
@@ -48,6 +73,11 @@ class Connection:
         self.dropped = ""
         self.closing = False  # its reader ended: nothing of its pipeline runs any more
         self.queued = 0  # lines in the outbox or being written by the writer
+        # The peer's PID namespace (inode), read at accept: every pid it sends is read
+        # there (`GpuOps.register`). None: unreadable, taken as slicerd's own.
+        self.pidns: int | None = None
+        # The peer's start time at accept: `pid=self` names it only while it still lives.
+        self.peer_start: int | None = None
 
     def send(self, data: bytes) -> None:
         """Send one line now if the socket takes it, else queue it for the writer; drop

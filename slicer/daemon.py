@@ -110,6 +110,7 @@ async def serve(
                 async for signum in signals:
                     log.info("signal %d: stopping", signum)
                     sd_notify("STOPPING=1")
+                    await _let_parks_finish(server, parker.runner, cfg.park_timeout)
                     nursery.cancel_scope.cancel()
                     break
     finally:
@@ -117,6 +118,25 @@ async def serve(
             with contextlib.suppress(OSError):
                 os.unlink(cfg.socket)
         lock.release()
+
+
+async def _let_parks_finish(server: Server, runner: ToolRunner, bound: float) -> None:
+    # A cuda-checkpoint killed mid-operation desynchronises the driver, and in a container
+    # the runtime kills what the daemon leaves behind: let the park, restore and recovery
+    # tasks in flight (a park is several tool runs) and any tool still running end,
+    # bounded, serving meanwhile. Nothing awaits between the last look and the caller's
+    # cancel, so nothing can start in between.
+    def busy() -> int:
+        tasks = sum(1 for _, what in server.ops.owners.values() if what.endswith("-task"))
+        return tasks + runner.running
+
+    if busy():
+        log.info("waiting up to %.0f s for %d GPU operation(s) to end", bound, busy())
+    with trio.move_on_after(bound):
+        while busy():
+            await trio.sleep(0.05)
+    if busy():
+        log.warning("stopping with %d GPU operation(s) still running", busy())
 
 
 async def _watchdog(every: float) -> None:
@@ -148,6 +168,12 @@ async def _watchdog(every: float) -> None:
     "--registrant-park-timeout", type=float, help="Bound on a registrant's answer to PARK."
 )
 @click.option("--foreign", type=click.Choice(["block", "ignore"]))
+@click.option(
+    "--census",
+    type=click.Choice(["auto", "pids", "elimination"]),
+    help="Attribute GPU memory by the backend's pids, or by elimination where those pids "
+    "are another PID namespace's (slicerd in a pod); auto (default) picks.",
+)
 @click.option(
     "--verify-reuse-ms",
     type=float,

@@ -8,6 +8,12 @@ A plugin is found by name among the entry points of group ``gpu_slicer.gpu_backe
 Every backend answers the same three questions: which GPUs exist, how much memory is free, and how
 much device memory each process holds on a GPU. Every park is verified through these, never
 through a workload's word.
+
+Two optional methods tell slicerd how to read those pids: `pid_namespace()`, the PID
+namespace they are in (NVML: the host's, whatever namespace asks; slicerd in a pod then
+cannot read them and verifies by elimination, `slicer.census`), and `device_node(index)`,
+the device file a process keeps open while it holds a context on that GPU (NVML:
+`/dev/nvidiaN`), which names a workload's GPU processes when their pids are unreadable.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Protocol, cast
 
+from gpu_slicer.slicer import pidns
 from gpu_slicer.slicer.errors import GpuBackendError
 
 
@@ -92,6 +99,35 @@ class NvmlBackend:
                 # count the process as holding a context with unknown, hence non-zero, bytes.
                 out[int(p.pid)] = out.get(int(p.pid), 0) + (int(used) if used is not None else 1)
         return out
+
+    def pid_namespace(self) -> int:
+        """NVML names processes by their pids in the host's (initial) PID namespace."""
+        return pidns.INIT_PID_NS
+
+    def device_node(self, index: int) -> str:
+        """The device file of GPU `index`, which every CUDA process on it keeps open."""
+        return f"/dev/nvidia{int(self._nvml.nvmlDeviceGetMinorNumber(self._handles[index]))}"
+
+
+def pid_namespace_of(backend: GpuBackend) -> int | None:
+    """The PID namespace of `backend`'s pids; None when it does not say (taken as
+    slicerd's own, as before PID namespaces were known)."""
+    fn = getattr(backend, "pid_namespace", None)
+    try:
+        ns = fn() if callable(fn) else None
+    except Exception:
+        return None
+    return ns if isinstance(ns, int) and not isinstance(ns, bool) else None
+
+
+def device_node_of(backend: GpuBackend, index: int) -> str | None:
+    """The device file of GPU `index` per `backend`, or None when it does not say."""
+    fn = getattr(backend, "device_node", None)
+    try:
+        node = fn(index) if callable(fn) else None
+    except Exception:
+        return None
+    return node if isinstance(node, str) and node else None
 
 
 ENTRY_POINT_GROUP = "gpu_slicer.gpu_backends"

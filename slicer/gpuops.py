@@ -21,6 +21,7 @@ import trio
 
 from gpu_slicer import proto
 from gpu_slicer.slicer import census, errors, procs, recovery
+from gpu_slicer.slicer.attribution import Attribution
 from gpu_slicer.slicer.config import Config
 from gpu_slicer.slicer.connection import Connection
 from gpu_slicer.slicer.effects import AskPark, Effect, Park, Reap, Recover, Restore, Verify
@@ -41,6 +42,7 @@ from gpu_slicer.slicer.state import ProcessInfo, SlicerState
 log = logging.getLogger("slicer.server")
 
 REAP_EVERY = 0.25
+GET_STATE_TIMEOUT = 30.0  # one `--get-state` (seen: up to 7 s on real hardware)
 
 
 class GpuOps:
@@ -68,6 +70,8 @@ class GpuOps:
         self.batch: dict[int, dict[int, int]] | None = None
         # Clean grant-check readings, reused while young (`slicer.reuse`).
         self.reuse = Reuse(cfg.verify_reuse_ms, sm)
+        # Whose memory is whose, and what a peer's pids name (`slicer.attribution`).
+        self.attr = Attribution(cfg, sm, backend, host)
 
     # ---- owners ----------------------------------------------------------------------
 
@@ -127,12 +131,9 @@ class GpuOps:
             if e["alive"]:
                 by_gpu.setdefault(int(e["gpu"]), []).append(e)
         for gpu, group in by_gpu.items():
-            roots = [
-                census.Root(i, int(e["pid"]), int(e["start_time"]), bool(e["tree"]))
-                for i, e in enumerate(group)
-            ]
+            roots = self.attr.journal_roots(gpu, group)
             try:
-                taken = census.take(self.backend.processes(gpu), roots, self.host.ancestry)
+                taken = self.attr.attribute(self.backend.processes(gpu), roots)
             except Exception as ex:
                 log.error("cannot read GPU %d during recovery: %s", gpu, ex)
                 for e in group:
@@ -148,15 +149,17 @@ class GpuOps:
         """REGISTER: measure the new workload's process and what it already holds, then
         ask the state machine."""
         gpu = self.sm.resolve_gpu(req.gpu)
-        pid = req.pid if req.pid is not None else conn.pid
+        pid, ns_pid, ns = self.attr.resolve_pid(conn.pid, conn.peer_start, conn.pidns, req.pid)
         start, uid = self.host.start_time(pid), self.host.owner_uid(pid)
         if start is None or uid is None:
-            raise errors.NoSuchProcess(f"no live process {pid}")
-        info = ProcessInfo(pid=pid, start_time=start, uid=uid)
+            raise errors.NoSuchProcess(f"no live process {ns_pid or pid}")
+        if ns is not None and not self.attr.still(pid, ns, ns_pid):
+            # It exited (and its pid was reused) since it was translated.
+            raise errors.NoSuchProcess(f"no live process {ns_pid} in pid:[{ns}]")
+        info = ProcessInfo(pid=pid, start_time=start, uid=uid, ns_pid=ns_pid, pidns=ns)
         # Measure what the new workload already holds (before it is known, its memory
-        # would read as foreign): a probe root with a wid no workload has.
-        probe = [census.Root(0, pid, start, req.tree)]
-        taken = census.take(self.backend.processes(gpu), probe, self.host.ancestry)
+        # would read as foreign).
+        held = self.attr.newcomer(self.backend.processes(gpu), gpu, (pid, start), req.tree)
         self.reuse.forget(gpu)  # a new workload (or an adopted one) on this GPU
         return self.sm.register(
             conn.cid,
@@ -166,7 +169,7 @@ class GpuOps:
             req.tree,
             str(req.park),
             req.parked_max,
-            taken.of(0),
+            held,
             now,
             fallback=str(req.fallback),
             sharing=self._sharing((pid, start), req.tree),
@@ -187,13 +190,6 @@ class GpuOps:
                 out.append(w.wid)
         return out
 
-    def _roots(self, gpu: int) -> list[census.Root]:
-        return [
-            census.Root(w.wid, w.pid, int(w.start_time), w.tree)
-            for w in self.sm.workloads()
-            if w.gpu == gpu
-        ]
-
     def _census(self, gpu: int, roots: list[census.Root] | None = None) -> Census:
         # A park verified and the grant that follows it in one batch read the backend once
         # (the roots are current for each: a workload registered meanwhile is counted).
@@ -203,9 +199,9 @@ class GpuOps:
             seen = self.backend.processes(gpu)
             if batch is not None:
                 batch[gpu] = seen
-        roots = self._roots(gpu) if roots is None else roots
-        taken = census.take(seen, roots, self.host.ancestry)
-        if taken.foreign:
+        roots = self.attr.roots(gpu) if roots is None else roots
+        taken = self.attr.attribute(seen, roots)
+        if taken.foreign or taken.unattributed:
             self.reuse.forget(gpu)  # whoever reads foreign memory: no grant check reuses
         return taken
 
@@ -221,7 +217,7 @@ class GpuOps:
         reused, `slicer.reuse`) and, when the grant needs room, its free bytes (always
         read)."""
         try:
-            roots, now = self._roots(e.gpu), self._clock()
+            roots, now = self.attr.roots(e.gpu), self._clock()
             seen = self.reuse.get(e.gpu, e.wid, roots, now)
             if seen is None:
                 seen = self._census(e.gpu, roots)
@@ -255,8 +251,10 @@ class GpuOps:
         try:
             seen = self._census(e.gpu)
             before = seen.of(e.wid)
-            pids = seen.pids_by_wid.get(e.wid, [])
+            pids = self.attr.gpu_pids(e.gpu, e.wid, seen)
             parked = tuple((p, st) for p in pids if (st := self.host.start_time(p)) is not None)
+            if parked and self.attr.blind:
+                parked = await self.attr.cuda_only(parked, self.parker, GET_STATE_TIMEOUT)
             if parked:
                 # Journaled before the tool runs: a daemon killed from here on finds the
                 # processes in the journal and asks the driver how far the park got.
@@ -271,6 +269,17 @@ class GpuOps:
         except Exception as ex:
             error = str(ex)[:300]
         after = self._bytes_of(e.gpu, e.wid, "park-error")
+        if self.attr.blind and tool is not None and tool.ok and isinstance(after, int) and after:
+            # By elimination the GPU's excess may be another's (a newcomer that came with
+            # memory): the driver checkpointed every process of this one that had the GPU
+            # open, and says so; what is left over blocks grants as unattributed memory.
+            log.warning(
+                "%s: checkpointed; %d bytes beyond the budgets stay on GPU %d (not its)",
+                e.workload,
+                after,
+                e.gpu,
+            )
+            after = 0
         self.reuse.forget(e.gpu)  # its end changes who is on the GPU
         report = ParkReport(self._ms_since(t0), before, parked, tool, alive, after, error)
         self.report(e.op, token, lambda: self.sm.park_done(e.op, report, self._clock()))
@@ -333,7 +342,7 @@ class GpuOps:
             holders: tuple[int, ...] = ()
             try:
                 taken = self._census(e.gpu)
-                nbytes, holders = taken.of(e.wid), tuple(taken.pids_by_wid.get(e.wid, []))
+                nbytes, holders = taken.of(e.wid), tuple(self.attr.gpu_pids(e.gpu, e.wid, taken))
             except Exception:
                 pass
             try:

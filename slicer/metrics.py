@@ -32,7 +32,7 @@ from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from gpu_slicer.slicer import __version__, census
+from gpu_slicer.slicer import __version__
 from gpu_slicer.slicer.model import WState
 
 if TYPE_CHECKING:
@@ -272,20 +272,17 @@ class _StateCollector(Collector):
             except Exception as e:
                 log.warning("metrics: cannot list the GPUs: %s", e)
                 return {}
-        roots: dict[int, list[census.Root]] = {}
-        for w in server.sm.workloads():
-            root = census.Root(w.wid, w.pid, int(w.start_time), w.tree)
-            roots.setdefault(w.gpu, []).append(root)
         out: dict[int, tuple[int, int, int, int]] = {}
         for index, cap in self._totals.items():
             try:
                 seen = server.backend.processes(index)
-                taken = census.take(seen, roots.get(index, []), server.host.ancestry)
+                taken = server.ops.attr.attribute(seen, server.ops.attr.roots(index))
                 free = server.backend.free_bytes(index)
             except Exception as e:
                 log.debug("metrics: cannot read GPU %d: %s", index, e)
                 continue
-            res, alien = sum(taken.bytes_by_wid.values()), sum(taken.foreign.values())
+            res = sum(taken.bytes_by_wid.values())
+            alien = sum(taken.foreign.values()) + taken.unattributed
             out[index] = (cap, cap - free, res, alien)
         self._reading = (now, out)
         return out

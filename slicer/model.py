@@ -90,6 +90,10 @@ class Workload:
     owner_uid: int
     registrant: ConnId | None
     state: WState = WState.REGISTERED
+    # The registered process's pid in the registrant's PID namespace and that namespace's
+    # inode, when it is not slicerd's (a pod); `pid` is always slicerd's number.
+    ns_pid: int | None = None
+    pidns: int | None = None
     turn: int | None = None
     parks: int = 0
     restores: int = 0

@@ -80,6 +80,11 @@ def blockers(
     out: list[dict[str, Any]] = []
     if foreign_blocks:
         out += [{"pid": p, "bytes": b} for p, b in sorted(seen.foreign.items())]
+    if seen.unattributed:
+        # Elimination cannot tell a foreign process from a parked workload that grew: it
+        # blocks whatever `foreign` says (README, "PID namespaces").
+        pids = ",".join(map(str, seen.unattributed_pids[:16]))
+        out.append({"reason": "unattributed", "bytes": seen.unattributed, "host_pids": pids})
     for w in others:
         if w.wid != wid and seen.of(w.wid) > w.parked_max:
             out.append({"workload": w.name, "pid": w.pid, "bytes": seen.of(w.wid)})

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 from collections.abc import Iterator
 from typing import Protocol
+
+from gpu_slicer.slicer import pidns
 
 Ident = tuple[int, int]
 
@@ -59,6 +62,27 @@ class ProcessTable(Protocol):
         """Live runs of `tool` acting on one of `pids`: tool pid -> target pid."""
         ...
 
+    def namespace_of(self, pid: int) -> int | None:
+        """The PID namespace (its inode) of process `pid`, or None when unreadable."""
+        ...
+
+    def own_namespace(self) -> int | None:
+        """slicerd's own PID namespace, or None when unreadable."""
+        ...
+
+    def translate(self, ns_pid: int, ns: int) -> int | None:
+        """The pid, here, of the process that is `ns_pid` in namespace `ns` and lives in
+        it (`slicer.pidns.translate`); None when there is none."""
+        ...
+
+    def nspid(self, pid: int) -> int | None:
+        """Process `pid`'s number in its own PID namespace (the last `NSpid` number)."""
+        ...
+
+    def holding(self, pids: list[int], path: str) -> list[int]:
+        """Those of `pids` that have file `path` (a GPU's device node) open."""
+        ...
+
 
 def _stat(pid: int) -> tuple[int, int] | None:
     """(ppid, start ticks) of a live process, or None."""
@@ -81,13 +105,16 @@ def start_time(pid: int) -> int | None:
 
 
 def owner_uid(pid: int) -> int | None:
-    """The real uid owning process `pid`, or None."""
+    """The real uid owning process `pid`, or None (also for a thread id: /proc answers
+    for those too, but a thread is never a process to register or to checkpoint)."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
+                if line.startswith(b"Tgid:") and int(line.split()[1]) != pid:
+                    return None
                 if line.startswith(b"Uid:"):
                     return int(line.split()[1])
-    except OSError:
+    except (OSError, ValueError):
         return None
     return None
 
@@ -214,4 +241,62 @@ def tool_runs(tool: str, pids: set[int]) -> dict[int, int]:
 
 
 # Whether this kernel has /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN).
+def namespace_of(pid: int) -> int | None:
+    """The PID namespace (its inode) of process `pid`, or None when unreadable."""
+    ns = pidns.namespace_of(pid)
+    if ns is None:
+        # The link needs ptrace rights over `pid` (a non-root slicerd, another uid); its
+        # world-readable NSpid line still tells whether it lives in /proc's namespace.
+        numbers = pidns.nspids(pid)
+        if numbers is not None and len(numbers) == 1:
+            return pidns.namespace_of("self")
+    return ns
+
+
+def own_namespace() -> int | None:
+    """This process's PID namespace, or None when /proc cannot tell."""
+    return pidns.namespace_of("self")
+
+
+def translate(ns_pid: int, ns: int) -> int | None:
+    """The pid, here, of the process that is `ns_pid` in PID namespace `ns`."""
+    return pidns.translate(ns_pid, ns)
+
+
+def nspid(pid: int) -> int | None:
+    """Process `pid`'s number in its own PID namespace, or None when it is gone."""
+    numbers = pidns.nspids(pid)
+    return numbers[-1] if numbers else None
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    # A device node is the same device whatever path (or mount namespace: another
+    # container of the pod) opened it; a plain file (the fake GPU's) is its inode.
+    if stat.S_ISCHR(a.st_mode) and stat.S_ISCHR(b.st_mode):
+        return a.st_rdev == b.st_rdev
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def holding(pids: list[int], path: str) -> list[int]:
+    """Those of `pids` with `path` open (/proc/PID/fd; what `fuser` reads), in order."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        return []
+    out = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if _same_file(os.stat(f"/proc/{pid}/fd/{fd}"), target):
+                    out.append(pid)
+                    break
+            except OSError:
+                continue
+    return out
+
+
 HAS_CHILDREN_FILES = children_of(os.getpid()) is not None

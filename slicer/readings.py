@@ -30,6 +30,10 @@ class Census:
     bytes_by_wid: dict[int, int] = field(default_factory=dict)
     pids_by_wid: dict[int, list[int]] = field(default_factory=dict)
     foreign: dict[int, int] = field(default_factory=dict)
+    # Elimination only (`census.eliminate`): device bytes beyond every workload's budget
+    # that no workload may be holding now, and the backend's (host) pids on the GPU.
+    unattributed: int = 0
+    unattributed_pids: list[int] = field(default_factory=list)
 
     def of(self, wid: int) -> int:
         """Device bytes held by workload `wid`."""

@@ -30,3 +30,7 @@ class ProcessInfo:
     pid: int
     start_time: float
     uid: int
+    # The number the registrant sent and its PID namespace, when that namespace is not
+    # slicerd's (a pod): STATUS shows both numbers. None otherwise.
+    ns_pid: int | None = None
+    pidns: int | None = None

@@ -41,6 +41,12 @@ def _idents(raw: Any) -> tuple[Ident, ...]:
     return tuple(out)
 
 
+def _opt_int(value: Any) -> int | None:
+    # Journals before PID namespaces had neither key; a damaged value is dropped, not fatal
+    # (it is only shown in STATUS).
+    return value if type(value) is int and value > 0 else None  # pids and inodes are > 0
+
+
 def resumed(e: dict[str, Any], wid: int) -> Resumed | None:
     """The workload entry `e` resumes as (see the table above), or None to forget it.
     An unreadable `resident_bytes` (None) counts as memory on the device: the workload
@@ -65,6 +71,8 @@ def resumed(e: dict[str, Any], wid: int) -> Resumed | None:
         parked_procs=_idents(e.get("parked_procs")),
         fallback=str(e.get("fallback", "none")),
         ask=bool(e.get("ask", False)),
+        ns_pid=_opt_int(e.get("ns_pid")),
+        pidns=_opt_int(e.get("pidns")),
     )
     state, op_procs = e.get("state"), _idents(e.get("op_procs"))
     if state == WState.FAULTED:
@@ -108,6 +116,8 @@ def journal_entries(workloads: Iterable[Workload]) -> list[dict[str, Any]]:
             "op_bytes": w.op_bytes,
             "fallback": w.fallback,
             "ask": w.ask,
+            "ns_pid": w.ns_pid,
+            "pidns": w.pidns,
             "parks": w.parks,
             "restores": w.restores,
             "faults": w.faults,

@@ -63,7 +63,7 @@ class _Kept:
 def clean(seen: Census, wid: int, on_gpu: Iterable[Workload]) -> bool:
     """Whether `seen` shows only what workload `wid` may hold: no foreign process, and
     every other workload of the GPU at most at its `parked_max`."""
-    if seen.foreign:
+    if seen.foreign or seen.unattributed:
         return False
     return all(w.wid == wid or seen.of(w.wid) <= w.parked_max for w in on_gpu)
 

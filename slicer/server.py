@@ -29,6 +29,7 @@ import grp
 import itertools
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,7 +41,14 @@ from gpu_slicer import proto
 from gpu_slicer.proto import Err, ErrorCode, Fault, Ok, Waiting
 from gpu_slicer.slicer import __version__, errors, procs
 from gpu_slicer.slicer.config import Config
-from gpu_slicer.slicer.connection import Connection, linger, peer_credentials, reader
+from gpu_slicer.slicer.connection import (
+    Connection,
+    linger,
+    peer_credentials,
+    peer_pidfd,
+    pidfd_names,
+    reader,
+)
 from gpu_slicer.slicer.effects import (
     AskPark,
     Deny,
@@ -204,6 +212,21 @@ class Server:
                 await stream.aclose()
             return
         conn = Connection(cid, stream, pid, uid)
+        if pid > 0:
+            # Read between two looks at its start time, and (where the kernel gives a
+            # pidfd of the connector) only while the connector itself still has that pid:
+            # a peer that exited, or whose pid was reused, has no namespace, and gets no
+            # pid= trusted (`Attribution.resolve_pid`).
+            pidfd = peer_pidfd(stream.socket)
+            try:
+                start = self.host.start_time(pid)
+                ns = self.host.namespace_of(pid)
+                same = start is not None and self.host.start_time(pid) == start
+                if same and (pidfd is None or pidfd_names(pidfd, pid)):
+                    conn.pidns, conn.peer_start = ns, start
+            finally:
+                if pidfd is not None:
+                    os.close(pidfd)
         self.conns[conn.cid] = conn
         flush = False
         try:
@@ -570,6 +593,11 @@ class Server:
             self._children = (now, kids)
         return kids
 
+    @property
+    def ops(self) -> GpuOps:
+        """The GPU operations and measurements (the metrics read GPUs through it)."""
+        return self._ops
+
     def status(self) -> dict[str, Any]:
         """The STATUS body: version, uptime, GPUs (with who performs the operation in
         flight), workloads (with live pids), journal health, totals."""
@@ -587,6 +615,8 @@ class Server:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "connections": len(self.conns),
             "tools_running": self.parker.runner.running,
+            # How device memory is attributed: by the backend's pids, or by elimination.
+            "census": self._ops.attr.census,
             "journal": {
                 "path": str(self.journal.path),
                 "ok": self.journal_error is None,

@@ -192,8 +192,10 @@ class SlicerState:
         `sharing`: the wids of tracked workloads whose process trees overlap the new one's
         (measured by the server); a process belongs to at most one workload."""
         peer = self.conns[conn]
+        # The number the peer sent first: a pod's registrant knows its own numbers.
+        named = f"{proc.ns_pid} (pid {proc.pid} to slicerd)" if proc.ns_pid else str(proc.pid)
         if peer.uid != 0 and peer.uid != proc.uid:
-            raise errors.Forbidden(f"uid {peer.uid} may not register pid {proc.pid}")
+            raise errors.Forbidden(f"uid {peer.uid} may not register pid {named}")
         if name in self.registered:
             raise errors.Exists(f"workload {name} is registered by another connection")
         if gpu_index not in self.gpus:
@@ -204,7 +206,7 @@ class SlicerState:
         taken = [self.by_wid(wid) for wid in sharing if adopt is None or wid != adopt.wid]
         if owners := sorted(w.name for w in taken if w is not None):
             raise errors.InUse(
-                f"pid {proc.pid} (or a process of its tree) already belongs to workload {owners[0]}"
+                f"pid {named} (or a process of its tree) already belongs to workload {owners[0]}"
             )
         if adopt is None and len(self.registered) + len(self.orphans) >= self.limits.max_workloads:
             raise errors.LimitReached(f"at most {self.limits.max_workloads} workloads")
@@ -213,6 +215,7 @@ class SlicerState:
             w = self.orphans.pop(adopt.wid)
             w.registrant, w.tree, w.park, w.parked_max = conn, tree, park, parked_max
             w.owner_uid, w.fallback, w.ask = proc.uid, fallback, ask
+            w.ns_pid, w.pidns = proc.ns_pid, proc.pidns
             kind = "adopted"
         else:
             w = Workload(
@@ -228,6 +231,8 @@ class SlicerState:
                 registrant=conn,
                 fallback=fallback,
                 ask=ask,
+                ns_pid=proc.ns_pid,
+                pidns=proc.pidns,
             )
             if resident_bytes > parked_max:
                 w.to(WState.IDLE)

@@ -54,6 +54,8 @@ def status_body(
                 "park": w.park,
                 "parked_max": w.parked_max,
                 "pid": w.pid,
+                "ns_pid": w.ns_pid,
+                "pidns": w.pidns,
                 "registrant": {"pid": reg.pid, "uid": reg.uid} if reg else None,
                 "parks": w.parks,
                 "restores": w.restores,

@@ -16,6 +16,12 @@ Any other transition exits 1 and leaves the state unchanged. A pid that does not
 exits 1 ("no such process"); a live pid without ledger memory is "not a CUDA process"
 (exit 1, OPERATION_NOT_SUPPORTED), for ``--get-state`` too.
 
+``--pid P`` is read in the tool's own PID namespace, as the real tool reads it (slicerd
+runs it, possibly inside a pod), and translated once to the host pid that the ledger and
+the process identity use (``stubs.fakegpu.hostpid``); messages name P. A P that no
+process of the tool's namespace has, even if a process outside has that number, is "no
+such process".
+
 - checkpoint sleeps bytes / ``$FAKEGPU_BANDWIDTH`` (bytes/s, default 25e9, ``25GB``
   forms accepted) while the memory is still on device, then moves it to host.
 - restore checks free memory first; past capacity it exits 1 ("out of memory"), the
@@ -52,11 +58,13 @@ from types import FrameType
 
 from stubs.fakegpu import (
     FakeGpuError,
+    HostPid,
     Ledger,
     OutOfMemory,
     format_size,
     parse_size,
     process_identity,
+    to_host,
 )
 
 TRANSITIONS: dict[str, tuple[str, str]] = {
@@ -139,44 +147,49 @@ def _bandwidth() -> float:
     return bandwidth
 
 
-def _memory(ledger: Ledger, pid: int) -> tuple[dict[int, int], dict[int, int]]:
-    """(on-device, on-host) bytes of ``pid`` per GPU."""
+def _memory(ledger: Ledger, host: HostPid) -> tuple[dict[int, int], dict[int, int]]:
+    """(on-device, on-host) bytes of host pid ``host`` per GPU."""
     device: dict[int, int] = {}
-    host: dict[int, int] = {}
+    on_host: dict[int, int] = {}
     for row in ledger.processes():
-        if row.pid == pid:
+        if row.pid == host:
             device[row.gpu] = device.get(row.gpu, 0) + row.on_device
-            host[row.gpu] = host.get(row.gpu, 0) + row.on_host
-    return device, host
+            on_host[row.gpu] = on_host.get(row.gpu, 0) + row.on_host
+    return device, on_host
 
 
-def _target(ledger: Ledger, pid: int, verb: str) -> float:
-    """Check ``pid`` is a live CUDA process; returns its create time."""
-    ident = process_identity(pid)
+def _target(ledger: Ledger, pid: int, verb: str) -> tuple[HostPid, float]:
+    """Check ``pid`` (in this tool's PID namespace) is a live CUDA process; returns its
+    host pid and its identity (start time)."""
+    try:
+        host = to_host(pid)
+    except FakeGpuError:
+        raise ToolError(f"Could not {verb} process {pid}: no such process") from None
+    ident = process_identity(host)
     if ident is None:
         raise ToolError(f"Could not {verb} process {pid}: no such process")
-    device, host = _memory(ledger, pid)
-    if not device and not host:
+    on_device, on_host = _memory(ledger, host)
+    if not on_device and not on_host:
         raise ToolError(
             f"Could not {verb} process {pid}: OPERATION_NOT_SUPPORTED (not a CUDA process)"
         )
-    return ident
+    return host, ident
 
 
 def _await_injection(
-    ledger: Ledger, pid: int, ident: float, op: str, timeout_ms: int | None
+    ledger: Ledger, pid: int, host: HostPid, ident: float, op: str, timeout_ms: int | None
 ) -> None:
     """Apply an injected ``fail``/``hang`` for ``op``; returns when the op may proceed."""
     start = time.monotonic()
     hang_max = float(os.environ.get("FAKEGPU_HANG_MAX", "600"))
     while True:
-        if process_identity(pid) != ident:
+        if process_identity(host) != ident:
             raise ToolError(f"Could not {op} process {pid}: process exited")
-        kind = ledger.injection(pid, op)
+        kind = ledger.injection(host, op)
         if kind is None:
             return
         if kind == "fail":
-            ledger.set_state(pid, "failed")
+            ledger.set_state(host, "failed")
             raise ToolError(f"Could not {op} process {pid}: CUDA_ERROR_UNKNOWN (injected)")
         waited = time.monotonic() - start
         if op == "lock" and timeout_ms is not None and waited * 1000 >= timeout_ms:
@@ -187,47 +200,48 @@ def _await_injection(
 
 
 def do_action(ledger: Ledger, pid: int, op: str, timeout_ms: int | None = None) -> None:
-    """Perform one ``--action`` on ``pid``; raises ToolError on any failure."""
-    ident = _target(ledger, pid, op)
-    state = ledger.state(pid)
+    """Perform one ``--action`` on ``pid`` (in this tool's PID namespace); raises
+    ToolError on any failure."""
+    host, ident = _target(ledger, pid, op)
+    state = ledger.state(host)
     if state == "failed":
         raise ToolError(f"Could not {op} process {pid}: process is in failed state")
     src, dst = TRANSITIONS[op]
     if state != src:
         raise ToolError(f"Could not {op} process {pid}: process is {state}, expected {src}")
-    if op == "restore" and ledger.is_stuck(pid):
+    if op == "restore" and ledger.is_stuck(host):
         raise ToolError(
             f"Could not restore process {pid}: out of memory on an earlier restore;"
             " process is stuck checkpointed"
         )
-    _await_injection(ledger, pid, ident, op, timeout_ms)
+    _await_injection(ledger, pid, host, ident, op, timeout_ms)
     if op == "checkpoint":
-        device, _ = _memory(ledger, pid)
+        device, _ = _memory(ledger, host)
         time.sleep(sum(device.values()) / _bandwidth())
-        ledger.move(pid, to_device=False)
+        ledger.move(host, to_device=False)
     elif op == "restore":
-        _, host = _memory(ledger, pid)
+        _, on_host = _memory(ledger, host)
         free = {g.index: g.free for g in ledger.gpus()}
-        for gpu, nbytes in sorted(host.items()):
+        for gpu, nbytes in sorted(on_host.items()):
             if nbytes > free.get(gpu, 0):
-                ledger.set_stuck(pid)
+                ledger.set_stuck(host)
                 raise ToolError(
                     f"Could not restore process {pid}: out of memory (needs"
                     f" {format_size(nbytes)} on GPU {gpu}, {format_size(free.get(gpu, 0))} free)"
                 )
-        time.sleep(sum(host.values()) / _bandwidth())
+        time.sleep(sum(on_host.values()) / _bandwidth())
         try:
-            ledger.move(pid, to_device=True)
+            ledger.move(host, to_device=True)
         except OutOfMemory as exc:
-            ledger.set_stuck(pid)
+            ledger.set_stuck(host)
             raise ToolError(f"Could not restore process {pid}: out of memory ({exc})") from exc
-    ledger.set_state(pid, dst)
+    ledger.set_state(host, dst)
 
 
 def do_toggle(ledger: Ledger, pid: int) -> None:
     """``--toggle``: running -> checkpointed or checkpointed -> running."""
-    _target(ledger, pid, "toggle")
-    state = ledger.state(pid)
+    host, _ = _target(ledger, pid, "toggle")
+    state = ledger.state(host)
     if state == "running":
         steps = ("lock", "checkpoint")
     elif state == "checkpointed":
@@ -264,8 +278,8 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 def _run(args: argparse.Namespace, op: str) -> None:
     ledger = Ledger()
     if op == "get-state":
-        _target(ledger, args.pid, "get state of")
-        print(ledger.state(args.pid))
+        host, _ = _target(ledger, args.pid, "get state of")
+        print(ledger.state(host))
         return
     old_term = signal.signal(signal.SIGTERM, _on_signal)
     old_int = signal.signal(signal.SIGINT, _on_signal)

@@ -20,6 +20,17 @@ stub's log (FAKEGPU_CC_LOG) and one log per component (``base/NAME.log``). Its p
   (slicer-dispatch, awaited until its port accepts), `trainer` (the trainer stub), or any
   command through `spawn`.
 - sleepers (`sleeper`): plain processes standing in for a workload's processes.
+- in a pod: `spawn`, `launcher`, `dispatcher` and `trainer` take ``pod=`` (a
+  `stubs.pods.Pod`): the component runs as a container of that pod (its own PID and mount
+  namespace, ``FAKEGPU_HOST_PROC`` set), slicerd staying outside as the node DaemonSet
+  does; ``containers[name]`` is its `stubs.pods.Container` (host and pod pids), and
+  `stop_component` signals the container's process, not its nsenter parent.
+- slicerd in a pod (pod mode: `start` with ``pod=``): slicerd runs as that pod's native
+  sidecar container ``slicerd`` (`daemon`); put its socket where the pod's containers
+  find it (`use_socket`, e.g. on ``pod.emptydir``) first. READY=1 still comes to our
+  NOTIFY_SOCKET (a host path: the pod sees the host's files). We reach the socket through
+  the pod's mount namespace, ``/proc/<pod init>/root<socket>`` (`reach`), so `client`,
+  `status` and `until` work from outside; STATUS then speaks the pod's pids.
 
 `close` ends everything: components last started first (SIGTERM, a grace, then SIGKILL to
 the group), then slicerd, then the sleepers; bounded and shielded; exit statuses go to
@@ -52,6 +63,7 @@ import trio
 from gpu_slicer import proto
 from gpu_slicer.slicer.client import AsyncSlicer
 from stubs.fakegpu import Ledger, parse_size
+from stubs.pods import Container, Pod
 from stubs.proc import (
     ROOT,
     TOOL,
@@ -102,8 +114,11 @@ class Stack:
     proc: subprocess.Popen[bytes] | None = None  # slicerd
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)  # sleepers
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)  # components
+    containers: dict[str, Container] = field(default_factory=dict)  # components in pods
     rcs: dict[str, int] = field(default_factory=dict)  # exit statuses of stopped ones
     log: Path | None = None  # slicerd's, once started
+    daemon: Container | None = None  # slicerd as a pod's sidecar (pod mode)
+    reach: str | None = None  # our path to slicerd's socket when not `socket` (pod mode)
     _notifies: int = 0
 
     @classmethod
@@ -153,14 +168,29 @@ class Stack:
         self._notifies += 1
         return Notify(self.base / f"notify-{what}-{self._notifies}")
 
-    async def start(self, extra_env: Mapping[str, str] | None = None) -> None:
-        """Start slicerd; return once it sent READY=1 (within `ready_timeout`). A start
-        that fails leaves no daemon behind and raises `StackError` with its log's tail."""
+    def use_socket(self, path: str | Path) -> None:
+        """Give slicerd (from its next `start`) and every component started later the
+        socket `path`."""
+        self.socket = str(path)
+        self.args[self.args.index("--socket") + 1] = self.socket
+
+    async def start(
+        self, extra_env: Mapping[str, str] | None = None, *, pod: Pod | None = None
+    ) -> None:
+        """Start slicerd (with `pod`: as its sidecar container ``slicerd``, module
+        docstring); return once it sent READY=1 (within `ready_timeout`). A start that
+        fails leaves no daemon behind and raises `StackError` with its log's tail."""
         self.log = self.base / "slicerd.log"
         with self._notify("slicerd") as notify:
             env = {**self.env, **(extra_env or {}), **notify.env}
             argv = [*self.prefix, "-m", "gpu_slicer.slicer.daemon", *self.args]
-            self.proc = spawn(argv, env, self.log, pdeathsig=self.pdeathsig)
+            if pod is not None:
+                self.daemon = pod.spawn("slicerd", argv, env, self.log, sidecar=True)
+                self.proc = self.daemon.proc
+                self.reach = f"/proc/{pod.init_pid}/root{os.path.abspath(self.socket)}"
+            else:
+                self.daemon = self.reach = None
+                self.proc = spawn(argv, env, self.log, pdeathsig=self.pdeathsig)
             try:
                 await notify.ready(self.proc, self.ready_timeout, "slicerd", self.log)
             except BaseException:
@@ -171,7 +201,10 @@ class Stack:
         """Send slicerd `sig` (SIGKILL after `grace` s), reap it; its exit status (also
         in ``rcs["slicerd"]``). Its cuda-checkpoint runs are left alone."""
         assert self.proc is not None, "slicerd is not running"
-        rc = await stop_process(self.proc, grace, sig=sig)
+        if self.daemon is not None:  # nsenter, its parent, passes no signal on
+            rc = await self.daemon.stop(grace, sig)
+        else:
+            rc = await stop_process(self.proc, grace, sig=sig)
         self.proc = None
         self.rcs["slicerd"] = rc
         return rc
@@ -180,7 +213,10 @@ class Stack:
         """SIGKILL slicerd (if it runs) and reap it, bounded and even when cancelled: a
         process object nobody reaped warns ``ResourceWarning: subprocess ... is still
         running`` when collected, failing some later test."""
-        if self.proc is not None:
+        if self.daemon is not None and self.proc is not None:
+            await self.daemon.stop(0, signal.SIGKILL)
+            self.proc = None
+        elif self.proc is not None:
             await stop_process(self.proc, 0, sig=signal.SIGKILL)
             self.proc = None
 
@@ -203,13 +239,26 @@ class Stack:
         return self.base / f"{name}.log"
 
     def spawn(
-        self, name: str, argv: list[str], env: Mapping[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        pod: Pod | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start component `name` (`argv`, env `env` or ours) in a process group of its
-        own, output to ``log_of(name)``; `close` and `check_alive` know it by `name`."""
+        own, output to ``log_of(name)``; `close` and `check_alive` know it by `name`.
+        With `pod`: as a container of it (``containers[name]``; the process returned is
+        its parent outside the pod, which exits with the container's status)."""
         self.procs.pop(name, None)  # a restarted one is the last started
+        self.containers.pop(name, None)
         env = self.env if env is None else env
-        p = spawn(argv, env, self.log_of(name), pdeathsig=self.pdeathsig)
+        if pod is not None:
+            c = pod.spawn(name, argv, env, self.log_of(name))
+            self.containers[name] = c
+            p = c.proc
+        else:
+            p = spawn(argv, env, self.log_of(name), pdeathsig=self.pdeathsig)
         self.procs[name] = p
         return p
 
@@ -223,6 +272,7 @@ class Stack:
         timeout: float = 60.0,
         env: Mapping[str, str] | None = None,
         component: str | None = None,
+        pod: Pod | None = None,
     ) -> subprocess.Popen[bytes]:
         """``slicer-launch vllm --workload NAME [--park PARK] ARGS -- SERVER`` (e.g.
         `vllm_stub_argv`) as component `component` (default: `name`), returned once it
@@ -234,7 +284,7 @@ class Stack:
         component = component or name
         with self._notify(component) as notify:
             env = {**(self.env if env is None else env), **notify.env}
-            p = self.spawn(component, argv, env)
+            p = self.spawn(component, argv, env, pod=pod)
             await notify.ready(p, timeout, f"slicer-launch {name}", self.log_of(component))
         return p
 
@@ -249,6 +299,7 @@ class Stack:
         prefix: Sequence[str] | None = None,
         timeout: float = 30.0,
         component: str = "dispatcher",
+        pod: Pod | None = None,
     ) -> subprocess.Popen[bytes]:
         """``slicer-dispatch --workload NAME --replica REPLICA --listen 127.0.0.1:PORT``
         (state in `state_dir`, default ``base/dstate``; `prefix`: e.g. cProfile), returned
@@ -257,17 +308,22 @@ class Stack:
         argv = [*(prefix or [sys.executable]), "-m", "gpu_slicer.dispatcher.main"]
         argv += ["--workload", name, "--replica", replica, "--listen", f"127.0.0.1:{port}"]
         argv += ["--socket", self.socket, "--state-dir", str(state), *args]
-        p = self.spawn(component, argv)
+        p = self.spawn(component, argv, pod=pod)
         await until_listening(p, port, timeout, f"slicer-dispatch {name}", self.log_of(component))
         return p
 
     def trainer(
-        self, name: str, args: Sequence[str] = (), *, component: str = "trainer"
+        self,
+        name: str,
+        args: Sequence[str] = (),
+        *,
+        component: str = "trainer",
+        pod: Pod | None = None,
     ) -> subprocess.Popen[bytes]:
         """The trainer stub as workload `name` (``python -m stubs.trainer_stub``); it
         takes its turns and exits on its own (no readiness to wait for)."""
         argv = [sys.executable, "-m", "stubs.trainer_stub", "--socket", self.socket]
-        return self.spawn(component, [*argv, "--workload", name, *args])
+        return self.spawn(component, [*argv, "--workload", name, *args], pod=pod)
 
     def check_alive(self, names: Sequence[str] | None = None) -> None:
         """`StackError` when slicerd, or one of the components `names` (default: all),
@@ -281,8 +337,11 @@ class Stack:
 
     async def stop_component(self, name: str, grace: float = COMPONENT_GRACE_S) -> int:
         """SIGTERM component `name`, SIGKILL its group after `grace` s; its exit status
-        (also in ``rcs[name]``)."""
-        rc = await stop_process(self.procs[name], grace, group=True)
+        (also in ``rcs[name]``). A container: SIGTERM to its process (`Container.stop`)."""
+        if name in self.containers:
+            rc = await self.containers[name].stop(grace)
+        else:
+            rc = await stop_process(self.procs[name], grace, group=True)
         self.rcs[name] = rc
         return rc
 
@@ -311,8 +370,8 @@ class Stack:
     # -- the daemon's view ---------------------------------------------------------
 
     async def client(self) -> AsyncSlicer:
-        """A new connection to slicerd."""
-        return await AsyncSlicer.connect(self.socket)
+        """A new connection to slicerd (through `reach` in pod mode)."""
+        return await AsyncSlicer.connect(self.reach or self.socket)
 
     def sleeper(self, nbytes: int = 0, gpu: int = 0, label: str | None = None) -> int:
         """A child process standing for a workload; optionally holding `nbytes` on `gpu`."""

@@ -33,6 +33,7 @@ import httpx
 
 from gpu_slicer.slicer.client import ClientError, Faulted, Slicer
 from stubs.fakegpu import Ledger, parse_size
+from stubs.fakegpu.hostpid import to_host
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +93,8 @@ class _FakeWorkingSet:
     """The working set as memory of this pid in the fake GPU ledger."""
 
     def __init__(self, gpu: int, nbytes: int, workload: str) -> None:
-        self.ledger, self.pid = Ledger(), os.getpid()
+        # The ledger speaks host pids, like NVML: in a pod, our own number is another one.
+        self.ledger, self.pid = Ledger(), to_host(os.getpid())
         self.gpu, self.nbytes, self.workload = gpu, nbytes, workload
 
     def ensure(self) -> None:

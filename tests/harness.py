@@ -6,6 +6,11 @@ and we wait for its READY=1, exactly as systemd does. State changes are awaited 
 STATUS re-read after each WATCH event (`Stack.until`).
 """
 
+import os
+import shutil
+
+import pytest
+
 from stubs.stack import (
     ROOT,
     TOOL,
@@ -17,4 +22,26 @@ from stubs.stack import (
     workload,
 )
 
-__all__ = ["ROOT", "TOOL", "GiB", "Stack", "cc_log", "running_stack", "state_of", "workload"]
+__all__ = [
+    "POD_TESTS",
+    "ROOT",
+    "TOOL",
+    "GiB",
+    "Stack",
+    "cc_log",
+    "running_stack",
+    "state_of",
+    "workload",
+]
+
+# The marks of a test module that simulates pods (`stubs.pods`): child processes, a bound
+# above the tests' own trio bounds (the thread-method backstop would os._exit first), and
+# what a pod needs of the machine.
+POD_TESTS = [
+    pytest.mark.integration,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("unshare") is None,
+        reason="a pod simulation needs root and unshare(1)",
+    ),
+]

@@ -33,6 +33,7 @@ from gpu_slicer.slicer.state import Limits, SlicerState
 
 GiB = 1024**3
 UID = os.getuid()
+PEER_START = 1  # the start time FakeHost gives the tests' own process (not in its table)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class FakeHost:
         self.procs: dict[int, Proc] = {}
         self.killed: list[int] = []
         self.kill_seen = trio.Event()
+        self.ns: dict[int, tuple[int, int]] = {}
 
     def spawn(self, pid: int, ppid: int = 1, start: int = 1000) -> tuple[int, int]:
         self.procs[pid] = Proc(ppid, start)
@@ -61,6 +63,8 @@ class FakeHost:
 
     def start_time(self, pid: int) -> int | None:
         p = self.procs.get(pid)
+        if p is None and pid == os.getpid():
+            return PEER_START  # the tests' own process, the server's peer over socketpairs
         return p.start if p is not None else None
 
     def owner_uid(self, pid: int) -> int | None:
@@ -110,6 +114,33 @@ class FakeHost:
 
     def tool_runs(self, tool: str, pids: set[int]) -> dict[int, int]:
         return {}
+
+    # PID namespaces: every made-up process lives in slicerd's namespace (OWN_NS) unless
+    # `enter` put it in another one, with its number there.
+    OWN_NS = 1
+
+    def enter(self, pid: int, ns: int, ns_pid: int) -> None:
+        self.ns[pid] = (ns, ns_pid)
+
+    def namespace_of(self, pid: int) -> int | None:
+        if pid not in self.procs:
+            return self.OWN_NS if pid == os.getpid() else None
+        return self.ns.get(pid, (self.OWN_NS, pid))[0]
+
+    def own_namespace(self) -> int | None:
+        return self.OWN_NS
+
+    def translate(self, ns_pid: int, ns: int) -> int | None:
+        for pid, (n, number) in self.ns.items():
+            if n == ns and number == ns_pid and pid in self.procs:
+                return pid
+        return None
+
+    def nspid(self, pid: int) -> int | None:
+        return self.ns.get(pid, (self.OWN_NS, pid))[1] if pid in self.procs else None
+
+    def holding(self, pids: list[int], path: str) -> list[int]:
+        return [p for p in pids if p in self.procs]
 
 
 class FakeGpu:

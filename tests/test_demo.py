@@ -159,6 +159,24 @@ def test_loop_demo_serves_every_request_with_its_revision(tmp_path: Path) -> Non
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_demo_k8s_runs_the_loop_with_the_job_in_a_pod(tmp_path: Path) -> None:
+    # `make demo-k8s`: node mode, the launcher, dispatcher and trainer in a simulated pod.
+    png = tmp_path / "timeline.png"
+    args = ("--pods", "--revisions", "2", "--requests", "10", "--png", str(png), "--json")
+    rc, r, err, elapsed = run_demo(*args, timeout=55)
+    why = f"problems={r['problems']}, took {elapsed:.1f} s\nstderr:\n{err}"
+    assert rc == 0, why
+    assert r["ok"] and r["problems"] == [] and r["mode"] == "loop", why
+    assert "node mode" in r["summary"], r["summary"]
+    assert r["overlaps"] == 0 and r["overlap_log"] == [] and r["faults"] == [], why
+    assert r["requests"]["served"] == r["requests"]["expected"] == 20, why
+    assert r["exit_codes"] == {"trainer": 0, "dispatcher": 0, "sampler": 0}, why
+    assert r["handoffs"] >= 2 and r["stats"]["trainer"]["park"]["count"] >= 1, why
+    assert r["dir"] is None
+
+
+@pytest.mark.integration
 def test_real_mode_says_what_is_missing_and_starts_nothing(tmp_path: Path) -> None:
     pytest.importorskip("pynvml")
     from demo.real import missing

@@ -474,3 +474,32 @@ async def test_unreachable_slicerd_and_missing_command_exit_codes() -> None:
                 assert await lw.wait() == 127
             await stack.until(gone("m"))
             assert stack.overlaps() == 0
+
+
+async def test_vllm_whose_port_is_taken_fails_fast_and_never_gets_ready() -> None:
+    """Another listener on the replica's port (a vLLM a SIGKILLed launcher left behind on
+    bare metal) would answer /health and /sleep in the replica's place."""
+    with trio.fail_after(30):
+        async with running_stack() as stack, trio.open_nursery() as nursery:
+            squatter = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            port = squatter[0].socket.getsockname()[1]
+            nursery.start_soon(trio.serve_listeners, lambda s: s.aclose(), squatter)
+            ready = stack.base / "ready"
+            opts = ["--ready-file", str(ready)]
+            async with watching(stack) as events:
+                async with launcher(stack, "vllm", "v", opts, vllm_stub("v", port)) as lw:
+                    assert await lw.wait(15) == 1
+                await stack.until(gone("v"))
+            err = [line for line in lw.output().splitlines() if "error:" in line]
+            assert err == [
+                f"slicer-launch: error: vLLM boot failed: 127.0.0.1:{port} is taken: another "
+                "process listens there, and would answer for the replica (stop it (a vLLM "
+                "left from an earlier launch?), or give the server another --port)"
+            ], lw.output()
+            assert "stub:" not in lw.output()  # the server never started
+            assert not ready.exists()
+            # No boot turn was asked for: nothing was granted, nobody parked.
+            assert not [e for e in events if e.get("event") == "grant"], events
+            assert (await stack.status())["totals"]["grants"] == 0
+            nursery.cancel_scope.cancel()
+            assert stack.overlaps() == 0

@@ -54,6 +54,8 @@ GOOD_REQUESTS: list[tuple[bytes, object]] = [
     (b"REGISTER a gpu=0", Register("a", gpu="0")),
     (b"REGISTER a gpu=GPU-8f3c2d1e-aaaa", Register("a", gpu="GPU-8f3c2d1e-aaaa")),
     (b"REGISTER a pid=1234 tree=0", Register("a", pid=1234, tree=False)),
+    # pid=self names the sender, as no pid does (a pod's client need not know its number).
+    (b"REGISTER a pid=self", Register("a")),
     (b"REGISTER a tree=1 park=checkpoint parked_max=0", Register("a")),
     (
         b"REGISTER vllm-0 park=cooperative parked_max=3GiB",
@@ -160,6 +162,8 @@ BAD_REQUESTS: list[tuple[bytes, ErrorCode]] = [
     (b"REGISTER a tree=2", E.BAD_ARGUMENT),
     (b"REGISTER a tree=true", E.BAD_ARGUMENT),
     (b"REGISTER a pid=0", E.BAD_ARGUMENT),
+    (b"REGISTER a pid=SELF", E.BAD_ARGUMENT),
+    (b"REGISTER a pid=", E.BAD_ARGUMENT),
     (b"REGISTER a pid=-3", E.BAD_ARGUMENT),
     (b"REGISTER a pid=99999999999", E.BAD_ARGUMENT),
     (b"REGISTER a gpu=", E.BAD_ARGUMENT),

@@ -4,11 +4,13 @@ See ``ledger.py`` for the theory of operation and ``python -m stubs.fakegpu --he
 for the CLI.
 """
 
+from stubs.fakegpu.hostpid import host_namespace, host_proc, to_host
 from stubs.fakegpu.ledger import (
     CC_OPS,
     CC_STATES,
     FakeGpuError,
     GpuInfo,
+    HostPid,
     Ledger,
     OutOfMemory,
     ProcMem,
@@ -22,11 +24,15 @@ __all__ = [
     "CC_STATES",
     "FakeGpuError",
     "GpuInfo",
+    "HostPid",
     "Ledger",
     "OutOfMemory",
     "ProcMem",
     "UnknownGpu",
     "format_size",
+    "host_namespace",
+    "host_proc",
     "parse_size",
     "process_identity",
+    "to_host",
 ]

@@ -2,6 +2,10 @@
 
 Exit codes: 0 success, 1 fake GPU errors (OOM, unknown GPU, dead pid, nonzero
 ``overlaps``), 2 usage errors.
+
+``--pid`` is read in the caller's PID namespace (the ledger translates it to the host
+pid, ``stubs.fakegpu.hostpid``); ``show`` prints host pids, as ``nvidia-smi`` does.
+``alloc`` books memory on behalf of the pid: it opens no device node for it.
 """
 
 from __future__ import annotations

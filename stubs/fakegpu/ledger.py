@@ -8,9 +8,28 @@ closes it, so any number of processes (the vLLM and trainer stubs, the
 ``cuda-checkpoint`` stub, the slicer's fake backend, tests) can share it.
 
 Memory is booked per (gpu, pid, tag), each row either on device or on host (a
-checkpointed process). A process is identified by (pid, create time): when it has
+checkpointed process). A process is identified by (pid, start time): when it has
 exited, is a zombie, or its pid was reused, its memory counts as freed, as the NVIDIA
 driver does; such rows are pruned at the start of every transaction, reads included.
+
+PID namespaces. The real driver lives in the kernel: NVML reports processes by their
+pid in the host (outermost) PID namespace whoever asks, while a pid a caller passes in
+(``cuda-checkpoint --pid``) is read in the caller's namespace. So here: every row is
+keyed by *host* pid, the pid of ``$FAKEGPU_HOST_PROC`` (default ``/proc``, a procfs of
+the host namespace; a pod mounts the host's there). Every method taking a pid reads it
+in the caller's namespace and translates it at entry (``hostpid.to_host``; a
+``HostPid`` passes through); ``processes``, ``gpus`` and ``snapshot`` report host pids.
+The start time (``create_time`` in ``snapshot``: clock ticks after boot) is read from the
+host procfs too, so callers in every namespace agree on which rows are alive. A pid
+that names no process of the caller's namespace reads and frees like a dead one; the
+methods that need a live process (``alloc``, ``set_state``, ``set_stuck``, ``inject``)
+raise FakeGpuError.
+
+Device nodes. ``init`` creates ``dev/nvidia<i>`` per GPU next to the ledger. A process
+that allocates for itself opens its GPU's node once and holds it open for the rest of
+its life, as a CUDA context holds ``/dev/nvidia<i>``: a daemon that cannot read host pids
+(in a pod) finds the GPU processes it can see by their ``/proc/<pid>/fd`` links to it.
+Booking memory on behalf of another pid opens nothing.
 
 Each pid carries a workload label (overlap accounting), a cuda-checkpoint state
 (``running``, ``locked``, ``checkpointed``, ``failed``), a ``stuck`` flag (a restore
@@ -38,6 +57,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from stubs.fakegpu.hostpid import HostPid, process_identity, to_host
 from stubs.fakegpu.model import (
     FakeGpuError,
     GpuInfo,
@@ -46,7 +66,6 @@ from stubs.fakegpu.model import (
     UnknownGpu,
     gpu_uuid,
     out_of_memory,
-    process_identity,
 )
 
 __all__ = [
@@ -54,6 +73,7 @@ __all__ = [
     "CC_STATES",
     "FakeGpuError",
     "GpuInfo",
+    "HostPid",
     "Ledger",
     "OutOfMemory",
     "ProcMem",
@@ -65,7 +85,12 @@ DB_NAME = "ledger.db"
 BUSY_TIMEOUT_S = 10.0
 CC_STATES = ("running", "locked", "checkpointed", "failed")
 CC_OPS = ("lock", "checkpoint", "restore", "unlock")
-_CTIME_TOLERANCE_S = 0.01
+DEV_DIR = "dev"
+
+# The device nodes this process holds open, like a CUDA context holds /dev/nvidiaN: by
+# (os.getpid(), path), so that a forked child opens its own (it inherits the parent's fd,
+# as on the real driver, but that one is not its context).
+_held_nodes: dict[tuple[int, str], int] = {}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS gpu (
@@ -128,7 +153,25 @@ class Ledger:
             con.execute("COMMIT")
         finally:
             con.close()
+        dev = path / DEV_DIR
+        dev.mkdir(exist_ok=True)
+        for i in range(gpus):
+            (dev / f"nvidia{i}").touch()
         return cls(path)
+
+    def device_node(self, gpu: int) -> Path:
+        """The device node of ``gpu`` (``$FAKEGPU_DIR/dev/nvidia<gpu>``): a process that
+        allocates for itself holds it open for the rest of its life, as a CUDA context
+        holds ``/dev/nvidia<gpu>``, so a daemon in any PID namespace can find the GPU's
+        processes among its own by their open files."""
+        return self.directory / DEV_DIR / f"nvidia{gpu}"
+
+    def _hold_device_node(self, gpu: int) -> None:
+        path = str(self.device_node(gpu))
+        key = (os.getpid(), path)
+        if key not in _held_nodes:
+            with contextlib.suppress(FileNotFoundError):  # a ledger from before device nodes
+                _held_nodes[key] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -149,8 +192,7 @@ class Ledger:
     @staticmethod
     def _prune(con: sqlite3.Connection) -> None:
         for pid, ctime in con.execute("SELECT pid, ctime FROM proc").fetchall():
-            now = process_identity(pid)
-            if now is None or abs(now - ctime) > _CTIME_TOLERANCE_S:
+            if process_identity(pid) != ctime:
                 for table in ("mem", "injection", "proc"):
                     con.execute(f"DELETE FROM {table} WHERE pid = ?", (pid,))
 
@@ -254,8 +296,7 @@ class Ledger:
     def _live(con: sqlite3.Connection) -> set[int]:
         live = set()
         for pid, ctime in con.execute("SELECT pid, ctime FROM proc").fetchall():
-            now = process_identity(pid)
-            if now is not None and abs(now - ctime) <= _CTIME_TOLERANCE_S:
+            if process_identity(pid) == ctime:
                 live.add(pid)
         return live
 
@@ -281,21 +322,24 @@ class Ledger:
 
     def state(self, pid: int) -> str:
         """The cuda-checkpoint state of ``pid`` (``running`` when never set)."""
+        host = _host_or_none(pid)
         with self._tx() as con:
-            row = con.execute("SELECT state FROM proc WHERE pid = ?", (pid,)).fetchone()
+            row = con.execute("SELECT state FROM proc WHERE pid = ?", (host,)).fetchone()
             return "running" if row is None else str(row[0])
 
     def is_stuck(self, pid: int) -> bool:
         """Whether a restore of ``pid`` ran out of memory (stuck checkpointed for good)."""
+        host = _host_or_none(pid)
         with self._tx() as con:
-            row = con.execute("SELECT stuck FROM proc WHERE pid = ?", (pid,)).fetchone()
+            row = con.execute("SELECT stuck FROM proc WHERE pid = ?", (host,)).fetchone()
             return bool(row and row[0])
 
     def injection(self, pid: int, op: str) -> str | None:
         """The failure injected for ``op`` on ``pid``: None, ``"fail"`` or ``"hang"``."""
+        host = _host_or_none(pid)
         with self._tx() as con:
             row = con.execute(
-                "SELECT kind FROM injection WHERE pid = ? AND op = ?", (pid, op)
+                "SELECT kind FROM injection WHERE pid = ? AND op = ?", (host, op)
             ).fetchone()
             return None if row is None else str(row[0])
 
@@ -354,10 +398,12 @@ class Ledger:
         else ``$FAKEGPU_WORKLOAD``, else ``pid-<pid>``). ``allowance`` sets the label's
         allowance (latest wins; None leaves it as is, 0 if never set). Raises
         OutOfMemory past capacity and FakeGpuError when the pid is checkpointed or
-        failed; nothing changes on error.
+        failed; nothing changes on error. A process allocating for itself then holds the
+        GPU's device node open (``device_node``); one on behalf of another opens nothing.
         """
         if nbytes < 0:
             raise FakeGpuError(f"negative allocation: {nbytes}")
+        pid = to_host(pid)
         with self._tx() as con:
             total, used = self._gpu_row(con, gpu)
             self._ensure_proc(con, pid, workload)
@@ -386,14 +432,17 @@ class Ledger:
                 (gpu, pid, tag, nbytes),
             )
             self._record_overlaps(con, {gpu})
+        if pid == to_host(os.getpid()):
+            self._hold_device_node(gpu)
 
     def free(self, pid: int, tag: str | None = None) -> int:
         """Free ``pid``'s memory (one tag, or all) on every GPU; returns bytes freed."""
+        host = _host_or_none(pid)
         with self._tx() as con:
             where: str = "pid = ?"
-            params: list[object] = [pid]
+            params: list[object] = [host]
             if tag is not None:
-                where, params = "pid = ? AND tag = ?", [pid, tag]
+                where, params = "pid = ? AND tag = ?", [host, tag]
             freed = con.execute(
                 f"SELECT COALESCE(SUM(nbytes), 0) FROM mem WHERE {where}", params
             ).fetchone()[0]
@@ -405,6 +454,7 @@ class Ledger:
 
         Moving to device checks every GPU's capacity first: OutOfMemory, nothing moved.
         """
+        pid = _host_or_none(pid)
         with self._tx() as con:
             src = 0 if to_device else 1
             rows = con.execute(
@@ -427,12 +477,14 @@ class Ledger:
         """Set the cuda-checkpoint state of live ``pid``."""
         if state not in CC_STATES:
             raise FakeGpuError(f"unknown cuda-checkpoint state {state!r}")
+        pid = to_host(pid)
         with self._tx() as con:
             self._ensure_proc(con, pid)
             con.execute("UPDATE proc SET state = ? WHERE pid = ?", (state, pid))
 
     def set_stuck(self, pid: int, stuck: bool = True) -> None:
         """Mark live ``pid`` as stuck checkpointed (a restore ran out of memory)."""
+        pid = to_host(pid)
         with self._tx() as con:
             self._ensure_proc(con, pid)
             con.execute("UPDATE proc SET stuck = ? WHERE pid = ?", (int(stuck), pid))
@@ -441,6 +493,7 @@ class Ledger:
         """Make the cuda-checkpoint stub fail (or hang) on ``op`` for live ``pid``."""
         if op not in CC_OPS:
             raise FakeGpuError(f"unknown cuda-checkpoint op {op!r}; expected one of {CC_OPS}")
+        pid = to_host(pid)
         with self._tx() as con:
             self._ensure_proc(con, pid)
             con.execute(
@@ -450,8 +503,18 @@ class Ledger:
 
     def clear_injection(self, pid: int, op: str | None = None) -> None:
         """Remove the injected failure for ``op`` on ``pid`` (all ops when None)."""
+        pid = _host_or_none(pid)
         with self._tx() as con:
             if op is None:
                 con.execute("DELETE FROM injection WHERE pid = ?", (pid,))
             else:
                 con.execute("DELETE FROM injection WHERE pid = ? AND op = ?", (pid, op))
+
+
+def _host_or_none(pid: int) -> int:
+    """``to_host(pid)``, or -1 (no row has it) when no process has that pid in the
+    caller's namespace: a pid that names no process reads and frees like a dead one."""
+    try:
+        return to_host(pid)
+    except FakeGpuError:
+        return -1

@@ -1,10 +1,8 @@
-"""Fake GPU value types, errors and process identity (pid + create time)."""
+"""Fake GPU value types and errors (process identity: ``hostpid.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import psutil
 
 from stubs.fakegpu.sizes import format_size
 
@@ -16,7 +14,6 @@ __all__ = [
     "UnknownGpu",
     "gpu_uuid",
     "out_of_memory",
-    "process_identity",
 ]
 
 
@@ -56,17 +53,6 @@ class ProcMem:
     on_device: int
     on_host: int
     workload: str
-
-
-def process_identity(pid: int) -> float | None:
-    """The create time of a live process, or None when it is gone (or a zombie)."""
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc.create_time()
-    except psutil.NoSuchProcess:
-        return None
 
 
 def gpu_uuid(index: int) -> str:
