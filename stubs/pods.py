@@ -80,7 +80,7 @@ import trio
 
 from gpu_slicer.slicer.pidns import nspids, translate
 from stubs import podshim
-from stubs.proc import KILL_BOUND_S, StackError, child_env, log_tail, wait
+from stubs.proc import KILL_BOUND_S, StackError, child_env, log_tail, spawn, wait
 
 __all__ = ["Container", "Pod", "PodError", "running_pod"]
 
@@ -303,7 +303,7 @@ class Pod:
             argv = [*shim, "nsenter", f"--target={self.init_pid}", "--pid", "--mount",
                     f"--wd={cwd or os.getcwd()}", "--", "bash", "-c", shell, name,
                     *argv]  # fmt: skip
-            proc = _spawn_passing(argv, {**self.env(env), MARKER_ENV: marker}, log, w)
+            proc = spawn(argv, {**self.env(env), MARKER_ENV: marker}, log, pass_fds=(w,))
         except BaseException:
             os.close(r)
             raise
@@ -399,21 +399,6 @@ class Pod:
                 self._init_fd = None
         if self.proc.poll() is None or any(c.rc is None for c in self.containers.values()):
             raise PodError(f"pod {self.name}: processes still run after SIGKILL")
-
-
-def _spawn_passing(
-    argv: list[str], env: Mapping[str, str], log: Path, fd: int
-) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as f:
-        return subprocess.Popen(
-            argv,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            pass_fds=(fd,),
-        )
 
 
 def _die_with_test() -> None:

@@ -88,9 +88,10 @@ def spawn(
     *,
     session: bool = True,
     pdeathsig: bool = False,
+    pass_fds: tuple[int, ...] = (),
 ) -> subprocess.Popen[bytes]:
     """Start `argv` (in a session and process group of its own unless ``session=False``),
-    stdin from /dev/null, stdout and stderr appended to `log`."""
+    stdin from /dev/null, stdout and stderr appended to `log`, `pass_fds` left open."""
     with open(log, "ab") as f:
         return subprocess.Popen(
             argv,
@@ -100,6 +101,7 @@ def spawn(
             stderr=subprocess.STDOUT,
             start_new_session=session,
             preexec_fn=die_with_parent if pdeathsig else None,
+            pass_fds=pass_fds,
         )
 
 
