@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: image test demo demo-k8s lint typecheck unit integration verify-units bench clean soak test-vllm
+.PHONY: image test demo demo-k8s lint typecheck unit integration verify-units bench clean soak test-vllm redis demo-pool
 
 $(BIN)/python:
 	@echo "make: creating the virtual environment $(VENV) with $(PY)"
@@ -53,8 +53,32 @@ FAST := not integration and not fuzz and not chaos
 unit: $(STAMP)
 	$(BIN)/pytest -q -m "$(FAST)" --durations=5
 
-integration: $(STAMP)
+integration: $(STAMP) redis
 	$(BIN)/pytest -q -m "not ($(FAST))"
+
+# A real redis-server (7 or newer) for the pool tests, demo and bench (stubs/redisserver.py
+# starts private ones on Unix sockets): installed with apt-get where missing (Debian's
+# package, about 7 MB). A temporary policy-rc.d (exit 101) stops the package from starting
+# its own service on port 6379; it is removed afterwards (only if this made it).
+# REDIS_SERVER=/path/to/redis-server uses that binary instead (checked the same way).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+POLICY_RC_D ?= /usr/sbin/policy-rc.d
+redis:
+	@rs=$${REDIS_SERVER:-redis-server}; \
+	command -v "$$rs" >/dev/null || [ -n "$$REDIS_SERVER" ] || { \
+		echo "make: installing redis-server (apt-get, Debian's redis 7; about 7 MB)"; \
+		p=$(POLICY_RC_D); \
+		if [ ! -e $$p ]; then \
+			trap '$(SUDO) rm -f '$$p EXIT; \
+			printf '#!/bin/sh\nexit 101\n' | $(SUDO) tee $$p >/dev/null && $(SUDO) chmod 755 $$p; \
+		fi; \
+		$(SUDO) apt-get update -q && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			--no-install-recommends redis-server || exit 1; }; \
+	v=$$("$$rs" --version 2>/dev/null | sed -n 's/.* v=\([0-9]*\)\..*/\1/p'); \
+	[ "$${v:-0}" -ge 7 ] || { echo "make: $$rs is Redis $${v:-?} (or not found): the pool" \
+		"tests need redis-server 7 or newer (apt-get install redis-server, or REDIS_SERVER=...)"; \
+		exit 1; }
 
 # systemd-analyze verify on every unit (against the venv's console scripts), sysusers and
 # tmpfiles snippets applied to a scratch root: any output fails (systemd/verify.sh).
@@ -82,17 +106,22 @@ image:
 demo: $(DEMO_STAMP)
 	$(BIN)/python -m demo
 
+# The three-node pool loop on one Redis (the README's "Pools across nodes").
+demo-pool: $(DEMO_STAMP) redis
+	$(BIN)/python -m demo --pool
+
 # The same loop in Kubernetes' node mode: slicerd on the host, the job's processes in a
 # simulated pod (a PID + mount namespace: needs root, unshare and nsenter); same report.
 demo-k8s: $(DEMO_STAMP)
 	$(BIN)/python -m demo --pods
 
-# The handoff micro-benchmark, the dispatcher benchmark, one profiled run of each (the
+# The handoff micro-benchmark, the dispatcher benchmark, the pool benchmark (bench/pool.py:
+# a real Redis, three simulated nodes), one profiled run of the first two (the
 # profile summaries), then the share-efficiency scenarios and levers; regenerates
 # BENCHMARKS.md (with the hot-path targets before and after: bench/hotpath_before.json)
 # and bench/efficiency.png (bench/gpu_check.md, written by bench/gpu_check.sh on a GPU
 # machine, is included when present).
-bench: $(STAMP)
+bench: $(STAMP) redis
 	@t=$$(mktemp -d); trap 'rm -rf "$$t"' EXIT; \
 	$(BIN)/python bench/handoff.py --json-file "$$t/h.json" >"$$t/h.txt" \
 		|| { cat "$$t/h.txt"; exit 1; }; \
@@ -100,6 +129,9 @@ bench: $(STAMP)
 	$(BIN)/python bench/dispatch.py --json-file "$$t/d.json" >"$$t/d.txt" \
 		|| { cat "$$t/d.txt"; exit 1; }; \
 	cat "$$t/d.txt"; \
+	$(BIN)/python bench/pool.py --json-file "$$t/p.json" >"$$t/p.txt" \
+		|| { cat "$$t/p.txt"; exit 1; }; \
+	cat "$$t/p.txt"; \
 	$(BIN)/python bench/handoff.py --only handoff --cycles 300 --profile-daemon "$$t/h.prof" \
 		--json >/dev/null && \
 	$(BIN)/python bench/profile_summary.py "$$t/h.prof" --top 12 >"$$t/h.sum"; \
@@ -110,7 +142,7 @@ bench: $(STAMP)
 		--hotpath-before bench/hotpath_before.json --dispatch-json "$$t/d.json" \
 		--dispatch-output "$$t/d.txt" --handoff-json "$$t/h.json" \
 		--profile-text dispatcher="$$t/d.sum" --profile-text daemon="$$t/h.sum" \
-		--markdown BENCHMARKS.md --png bench/efficiency.png
+		--pool-output "$$t/p.txt" --markdown BENCHMARKS.md --png bench/efficiency.png
 
 # Randomized chaos scenarios (tests/chaos) for MINUTES; a summary table; exit 1 on any
 # invariant violation. One JSON report per scenario in /tmp/soak-SEED.jsonl.

@@ -91,6 +91,7 @@ TARGET_OVERHEAD_MS = 5.0
 TARGET_OVERHEAD_FRAC = 0.01
 PARTS = ("park", "restore", "wake", "load", "sleep", "tool_start", "overhead")
 
+POOL_COMMAND = ".venv/bin/python bench/pool.py"  # what `make bench` runs (its report)
 NO_GPU_CHECK = (
     "not run: this run had no GPU. On a machine with one, `bench/gpu_check.sh` writes"
     " `bench/gpu_check.md`, which `make bench` then includes here."
@@ -912,6 +913,10 @@ def markdown(res: dict[str, Any], scenarios: list[Scenario]) -> str:
     if res.get("handoff"):
         add("## Handoff micro-benchmark (`bench/handoff.py`)\n")
         add("```\n" + res["handoff"].rstrip() + "\n```\n")
+    if res.get("pool_text"):
+        add("## Pools across nodes (`bench/pool.py`)\n")
+        add(f"`{POOL_COMMAND}` (module docstring: what each phase does).\n")
+        add("```\n" + res["pool_text"].rstrip() + "\n```\n")
     return "\n".join(L)
 
 
@@ -987,6 +992,7 @@ def main() -> int:
     ap.add_argument("--dispatch-json", help="bench/dispatch.py --json-file's output")
     ap.add_argument("--dispatch-output", help="a file with bench/dispatch.py's report")
     ap.add_argument("--handoff-json", help="bench/handoff.py --json-file's output")
+    ap.add_argument("--pool-output", help="a file with bench/pool.py's report to include")
     ap.add_argument(
         "--profile-text",
         action="append",
@@ -1021,6 +1027,8 @@ def main() -> int:
         }
     if args.dispatch_output and Path(args.dispatch_output).exists():
         res["dispatch_text"] = Path(args.dispatch_output).read_text()
+    if args.pool_output and Path(args.pool_output).exists():
+        res["pool_text"] = Path(args.pool_output).read_text()
     if args.gpu_check and Path(args.gpu_check).exists():
         res["gpu_check"] = Path(args.gpu_check).read_text()
     chart_png(Path(args.png), res["scenarios"])

@@ -59,8 +59,16 @@ def save_png(fig: Figure, path: Path) -> tuple[int, int]:
     return int(width), int(height)
 
 
-def chart(title: str, rows: list[tuple[str, list[Bar]]], window_s: float) -> Figure:
-    """Draw the timeline (module docstring); `rows` are drawn top to bottom."""
+def chart(
+    title: str,
+    rows: list[tuple[str, list[Bar]]],
+    window_s: float,
+    colors: list[str] | None = None,
+    legend: list[tuple[str, str]] | None = None,
+) -> Figure:
+    """Draw the timeline (module docstring); `rows` are drawn top to bottom. `colors`:
+    each row's colour (default `ROW_COLORS` in turn); `legend`: (label, colour) entries
+    in place of one "NAME holds the GPU" entry per row (the pool demo's many rows)."""
     from matplotlib.patches import Patch  # new_figure has checked matplotlib is there
 
     fig = new_figure(WIDTH_IN, FRAME_IN + TRACK_IN * len(rows))
@@ -68,12 +76,14 @@ def chart(title: str, rows: list[tuple[str, list[Bar]]], window_s: float) -> Fig
     window = max(window_s, 1e-6)
     handles: list[Any] = []
     for k, (name, bars) in enumerate(rows):
-        color = ROW_COLORS[k % len(ROW_COLORS)]
+        color = colors[k] if colors else ROW_COLORS[k % len(ROW_COLORS)]
         ax.axhspan(k - 0.4, k + 0.4, color="0.94", zorder=0)
         for kind in KINDS:
             spans = [(s, min(e, window) - s) for s, e, what in bars if what == kind and e > s]
             ax.broken_barh(spans, (k - 0.4, 0.8), color=KIND_COLORS.get(kind, color), zorder=2)
-        handles.append(Patch(color=color, label=f"{name} holds the GPU"))
+        if legend is None:
+            handles.append(Patch(color=color, label=f"{name} holds the GPU"))
+    handles += [Patch(color=c, label=label) for label, c in legend or []]
     drawn = {what for _, bars in rows for s, e, what in bars if e > s}
     handles += [Patch(color=c, label=kind) for kind, c in KIND_COLORS.items() if kind in drawn]
     ax.set_xlim(0, window)
@@ -89,8 +99,13 @@ def chart(title: str, rows: list[tuple[str, list[Bar]]], window_s: float) -> Fig
 
 
 def write_chart(
-    path: Path, title: str, rows: list[tuple[str, list[Bar]]], window_s: float
+    path: Path,
+    title: str,
+    rows: list[tuple[str, list[Bar]]],
+    window_s: float,
+    colors: list[str] | None = None,
+    legend: list[tuple[str, str]] | None = None,
 ) -> tuple[int, int]:
-    """Draw the chart and write it to `path` (atomically; parents created); its size.
-    `ChartsMissing` without matplotlib."""
-    return save_png(chart(title, rows, window_s), path)
+    """Draw the chart (`chart`'s arguments) and write it to `path` (atomically; parents
+    created); its size. `ChartsMissing` without matplotlib."""
+    return save_png(chart(title, rows, window_s, colors, legend), path)

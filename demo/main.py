@@ -1,6 +1,6 @@
 """`make demo`: the gpu-slicer loop on a fake GPU, in one command.
 
-    python -m demo [--mode loop|trainers] [--pods] [--json] [--keep DIR] ...
+    python -m demo [--mode loop|trainers] [--pods] [--pool] [--json] [--keep DIR] ...
 
 ``--mode loop`` (the default, `demo.loop`): slicerd, a vLLM replica (the stub)
 under ``slicer-launch``, ``slicer-dispatch`` in front of it, a trainer stub whose every
@@ -11,7 +11,10 @@ timeline as a PNG (``--png``). ``--pods`` (`make demo-k8s`) runs the same loop i
 Kubernetes' node mode, the job's processes in a simulated pod (`demo.loop`; needs root,
 ``unshare`` and ``nsenter``: says what is missing, exit 2). ``--real`` runs the same loop
 with real vLLM, cuda-checkpoint and NVML, or says exactly what is missing (exit 2,
-nothing started).
+nothing started). ``--pool`` (`make demo-pool`, `demo.pool`) runs the loop across three
+simulated nodes sharing one sampling pool on a real Redis: a per-node timeline and a pool
+summary (``--revisions`` x ``--requests`` through every node's front; needs
+``redis-server`` 7: says so, exit 2).
 
 ``--mode trainers``: slicerd and ``--trainers`` trainer stubs taking turns.
 
@@ -163,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="node mode: slicerd on the host, the job's processes in a simulated pod "
         "(a PID + mount namespace; needs root, unshare, nsenter)",
     )
+    g.add_argument(
+        "--pool",
+        action="store_true",
+        help="three nodes (each a fake GPU, slicerd, trainer, vLLM stub, dispatcher) "
+        "sharing one sampling pool on a real Redis (needs redis-server 7)",
+    )
     g = p.add_argument_group("trainers mode")
     g.add_argument(
         "--seconds", type=_positive, default=10.0, help="run length after the first grant"
@@ -266,6 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     if opts.pods and (why := _pods_missing()):
         print(f"demo --pods: cannot run here: {why}", file=sys.stderr)
         return 2
+    if opts.pool and (opts.real or opts.pods or opts.mode != "loop"):
+        parser.error("--pool runs the loop on fake GPUs (--mode loop, no --real, no --pods)")
+    if opts.pool:
+        from demo.pool import missing as pool_missing
+
+        if why := pool_missing():
+            print(f"demo --pool: cannot run here: {why}", file=sys.stderr)
+            return 2
     try:
         parse_size(opts.bandwidth)
     except ValueError as e:
@@ -293,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         base = Path(tempfile.mkdtemp(prefix="slicer-demo-"))
     if len(str(base / "slicer.sock")) > MAX_SOCKET_PATH:
         parser.error(f"{base} is too long a path for a Unix socket")
+    if opts.pool:
+        from demo.pool import execute_pool
+
+        return execute_pool(opts, base, keep=bool(opts.keep))
     return _execute(opts, base)
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "DispatchError",
     "IllegalTransition",
     "NotFound",
+    "PoolUnavailable",
     "ReplicaError",
     "StateInUse",
     "StoreError",
@@ -86,6 +87,11 @@ class StoreError(DispatchError):
 
 class StoreFull(StoreError):
     """The disk holding the store is full; the request was not journaled."""
+
+
+class PoolUnavailable(StoreError):
+    """The pool's Redis cannot be reached or failed a call (pool mode); nothing of the
+    call is known to have happened unless its script says so."""
 
 
 class IllegalTransition(DispatchError):

@@ -565,7 +565,7 @@ def build_app(loop: TurnLoop) -> Starlette:
         for key in ("revision", "path"):
             if key not in body:
                 raise BadRequest(f"missing field {key!r}")
-        rev, created = loop.publish(body["revision"], body["path"])
+        rev, created = await loop.publish_async(body["revision"], body["path"])
         return JSONResponse(
             {"revision": rev.name, "path": rev.path, "published_at": rev.published_at},
             status_code=201 if created else 200,

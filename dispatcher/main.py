@@ -4,6 +4,8 @@
         [--socket S] [--state-dir D] [--pool NAME] [--listen HOST:PORT | --listen-unix PATH]
         [--weight-check spans|label] [--max-send-errors N] [--max-load-failures N]
         [--no-check-revision-paths] [--sync normal|full] [--batch-prompts N]
+        [--queue REDIS_URL [--consumer NAME] [--reclaim-idle S] [--result-ttl S]
+                           [--ask-patience S]]
 
 ``--weight-check`` says how a result is tied to the weights it asked for (the commit
 rule in :mod:`dispatcher.core`): ``spans`` (default) needs vLLM 0.33 or later, which
@@ -47,6 +49,19 @@ the state dir, 77 permission denied for the address, 70 a bug. ``--listen-unix``
 only a dead socket file (nothing answers a connect to it), left by a previous run. An
 unreachable slicerd is not a startup failure: the dispatcher starts and waits for it.
 
+Pool mode (``--queue redis://HOST:PORT/DB`` or ``unix:///PATH?db=N``, README "Pools
+across nodes"): the queue of pool ``--pool`` is in Redis, shared by every replica's
+dispatcher; any front accepts, long-polls and publishes for the whole pool, and this
+dispatcher claims work only while its replica holds a turn (:mod:`dispatcher.poollink`).
+No SQLite store and no state-dir lock then. ``--consumer`` names this replica in the pool
+(default ``HOST/WORKLOAD``); ``--ask-patience`` how long a replica asking for a turn
+covers the pool's backlog before another may ask too (default 2 x turn seconds + grace);
+``--reclaim-idle`` (at least 3 s) is how long a replica's claims may go
+untouched before the others take them (default: the turn's whole bound, turn seconds +
+grace + sleep + RELEASE bounds + 10 s; a live dispatcher touches its claims every quarter
+of it); ``--result-ttl`` how long results stay readable. Redis unreachable is a waiting
+state: 503 at the front, turns end cleanly, service resumes by itself.
+
 SIGTERM/SIGINT: stop accepting, end a held turn (sleep vLLM, RELEASE, both bounded),
 end every ``GET /v1/events`` stream after the turn's last events with ``closed``, then
 close the front and exit 0. Prints ``listening on ...`` to stderr once the front is bound.
@@ -54,11 +69,15 @@ close the front and exit 0. Prints ``listening on ...`` to stderr once the front
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
+from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import click
 import trio
@@ -72,9 +91,13 @@ from gpu_slicer.dispatcher.model import (
     TurnConfig,
 )
 from gpu_slicer.dispatcher.store import SYNC_MODES, Store
-from gpu_slicer.dispatcher.turns import TurnLoop
+from gpu_slicer.dispatcher.turns import RELEASE_TIMEOUT_S, TurnLoop
 from gpu_slicer.dispatcher.vllm import Replica
 from gpu_slicer.slicer.exits import OneLineCommand, single_error
+
+if TYPE_CHECKING:
+    from gpu_slicer.dispatcher.poollink import PoolLink
+    from gpu_slicer.dispatcher.poolstore import PoolStore
 
 PROG = "slicer-dispatch"
 
@@ -84,9 +107,39 @@ EVENTS_CLOSE_GRACE_S = 1.0  # at a stop, for readers of GET /v1/events to get "c
 SHUTDOWN_MARGIN_S = 5.0  # the front's own cut (its grace) comes this long after ours would
 
 
-async def _run(store: Store, replica_url: str, cfg: TurnConfig, bind: str) -> None:
-    async with Replica(replica_url) as replica:
-        loop = TurnLoop(store, replica, cfg)
+@dataclass(frozen=True)
+class _PoolArgs:
+    queue: str
+    pool: str
+    replica: str
+    reclaim_idle: float
+    result_ttl: float
+    patience: float
+
+
+async def _run(
+    store: Store | None, replica_url: str, cfg: TurnConfig, bind: str, pool: _PoolArgs | None
+) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        replica = await stack.enter_async_context(Replica(replica_url))
+        link: PoolLink | None = None
+        queue: Store | PoolStore
+        if pool is not None:
+            # Imported here: coredis costs a second of start-up that SQLite mode never pays.
+            from gpu_slicer.dispatcher.poolconn import PoolConn
+            from gpu_slicer.dispatcher.poollink import PoolLink
+            from gpu_slicer.dispatcher.poolstore import PoolStore
+
+            conn = await stack.enter_async_context(PoolConn(pool.queue, pool.pool))
+            queue = PoolStore(conn, pool.replica, reclaim_idle=pool.reclaim_idle,
+                              result_ttl=pool.result_ttl)  # fmt: skip
+            link = PoolLink(queue, cfg.concurrency * cfg.batch_prompts, pool.patience)
+            log.info("pool %s on %s as %s (reclaim idle %g s)", pool.pool, conn.shown,
+                     queue.consumer, pool.reclaim_idle)  # fmt: skip
+        else:
+            assert store is not None
+            queue = store
+        loop = TurnLoop(queue, replica, cfg, pool=link)  # type: ignore[arg-type]
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
             async with trio.open_nursery() as turns:
@@ -125,6 +178,36 @@ def _bind(listen: str | None, listen_unix: str | None) -> str:
 @click.option("--socket", "socket_path", help="slicerd socket (default $SLICER_SOCKET)")
 @click.option("--state-dir", default="/var/lib/slicer-dispatch", show_default=True)
 @click.option("--pool", callback=startup.check_name, help="pool name (default: the workload name)")
+@click.option(
+    "--queue",
+    callback=startup.check_queue,
+    help="pool mode: the pool's Redis, redis://HOST:PORT/DB or unix:///PATH?db=N",
+)
+@click.option(
+    "--consumer",
+    callback=startup.check_consumer,
+    help="pool mode: this replica's name in the pool (default HOST/WORKLOAD)",
+)
+@click.option(
+    "--reclaim-idle",
+    type=startup.SECONDS,
+    callback=startup.check_reclaim_idle,
+    help="pool mode: seconds a replica's claims may go untouched before the others "
+    "take them (default: the turn's whole bound)",
+)
+@click.option(
+    "--result-ttl",
+    type=startup.SECONDS,
+    default=86400.0,
+    show_default=True,
+    help="pool mode: seconds a result stays readable",
+)
+@click.option(
+    "--ask-patience",
+    type=startup.SECONDS,
+    help="pool mode: seconds a replica asking for a turn covers the backlog before "
+    "another may ask too (default: 2 x turn seconds + grace)",
+)
 @click.option("--listen", callback=startup.check_listen, help="HOST:PORT (default 127.0.0.1:8100)")
 @click.option("--listen-unix", help="serve HTTP on this Unix socket instead")
 @click.option("--model", help="served model name sent to vLLM (default: vLLM's own)")
@@ -179,6 +262,11 @@ def main(
     sync: str,
     batch_prompts: int,
     log_level: str,
+    queue: str | None,
+    consumer: str | None,
+    reclaim_idle: float | None,
+    result_ttl: float,
+    ask_patience: float | None,
 ) -> None:
     """Hold sampling requests durably and serve them in the replica's GPU turns."""
     logging.basicConfig(
@@ -186,12 +274,13 @@ def main(
         level=log_level.upper(),
         format=f"%(asctime)s slicer-dispatch[{os.getpid()}] %(levelname)s %(message)s",
     )
-    for name in ("httpx", "httpcore", "dispatcher.httpserver"):
+    for name in ("httpx", "httpcore", "dispatcher.httpserver", "coredis"):
         logging.getLogger(name).setLevel(logging.WARNING)
     if listen and listen_unix:
         raise click.UsageError("give --listen or --listen-unix, not both")
     # The lock (then the store) before _bind: _bind may unlink the owner's Unix socket.
-    lock, store = startup.open_state(state_dir, pool or workload, sync)
+    # Pool mode keeps nothing on this disk: no store, no lock.
+    lock, store = (None, None) if queue else startup.open_state(state_dir, pool or workload, sync)
     try:
         bind = _bind(listen, listen_unix)
         startup.probe_bind(bind)
@@ -210,16 +299,30 @@ def main(
             batch_prompts=batch_prompts,
         )
         log.info("weight check: %s", weight_check)
+        pool_args = None
+        if queue:
+            whole = turn_seconds + turn_grace + cfg.sleep_timeout + RELEASE_TIMEOUT_S + 10.0
+            if reclaim_idle is not None and reclaim_idle < whole:
+                log.warning("--reclaim-idle %g s is shorter than a turn's whole bound (%g s): "
+                            "a dispatcher silent that long (a stall, a partition) has its "
+                            "claims served elsewhere too (the first result wins)",
+                            reclaim_idle, whole)  # fmt: skip
+            patience = ask_patience or 2 * turn_seconds + turn_grace
+            pool_args = _PoolArgs(queue, pool or workload,
+                                  consumer or f"{socket.gethostname()}/{workload}",
+                                  reclaim_idle or whole, result_ttl, patience)  # fmt: skip
         try:
-            trio.run(_run, store, replica_url, cfg, bind)
+            trio.run(_run, store, replica_url, cfg, bind, pool_args)
         except BaseExceptionGroup as group:
             leaf = single_error(group)
             if leaf is group:
                 raise
             raise leaf from None  # e.g. the front's bind failure, said in one line
     finally:
-        store.close()
-        lock.release()
+        if store is not None:
+            store.close()
+        if lock is not None:
+            lock.release()
     log.info("stopped")
 
 

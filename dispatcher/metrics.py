@@ -12,6 +12,17 @@ dispatcher") lists them:
 ``load_failures_total``, ``sends_total``, ``batched_samples_total``,
 ``send_errors_total``, ``commits_total``, ``expired_total``, ``rejects_total{reason}``.
 
+In pool mode (``--queue``) also, from the pool's last poll (every dispatcher of a pool
+exports the same pool-wide values: aggregate them with ``max``, not ``sum``):
+``slicer_dispatch_pool_pending{revision}`` (unclaimed + claimed), ``pool_unclaimed{revision}``,
+``pool_reclaimable{revision}``, ``pool_oldest_pending_seconds{revision}``,
+``pool_claimed{consumer}`` (``__free__``: handed back), ``pool_redis_up`` (gauges); the
+counters ``pool_committed_total``, ``pool_failed_total``, ``pool_duplicates_total``,
+``pool_reclaimed_total``, ``pool_returned_total``, ``pool_served_total{replica}``; and this
+replica's own: ``pool_claimed_here`` (gauge), ``pool_claims_here_total``,
+``pool_reclaimed_here_total``, ``pool_returned_here_total``, ``pool_duplicates_here_total``,
+``pool_lost_claims_total``.
+
 Served as ``text/plain; version=0.0.4; charset=utf-8`` (the classic text format); the
 values are floats as prometheus-client writes them, so a counter of 61 reads ``61.0``.
 """
@@ -19,12 +30,14 @@ values are floats as prometheus-client writes them, so a counter of 61 reads ``6
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from gpu_slicer.dispatcher.poolscripts import FREE
 from gpu_slicer.dispatcher.turns import TurnLoop
 
 __all__ = ["CONTENT_TYPE", "DispatchCollector", "registry_for", "render_metrics"]
@@ -88,6 +101,63 @@ class DispatchCollector(Collector):
         yield one("expired_total", "counter", "Requests failed by deadline.", c.expired)
         rejects = [({"reason": r}, float(n)) for r, n in sorted(c.rejects.items())]
         yield family("rejects_total", "counter", "Answers not committed, by reason.", rejects)
+        if "pool_mode" in st:
+            yield from _pool_families(st["pool_mode"], family, one)
+
+
+_Family = Callable[[str, str, str, list[tuple[dict[str, str], float]]], Metric]
+
+
+def _pool_families(
+    pm: dict[str, Any], family: _Family, one: Callable[..., Metric]
+) -> Iterator[Metric]:
+    """Pool mode's series: the pool as this dispatcher's last poll saw it (the same on
+    every replica's dispatcher), and this replica's own claims."""
+    revs = sorted(pm["revisions"].items())
+
+    def per_rev(key: str) -> list[tuple[dict[str, str], float]]:
+        return [({"revision": r}, float(v[key])) for r, v in revs if v[key] is not None]
+
+    pending = [({"revision": r}, float(v["unclaimed"] + v["claimed"])) for r, v in revs]
+    yield family("pool_pending", "gauge", "The pool's pending requests (unclaimed + claimed).",
+                 pending)  # fmt: skip
+    yield family("pool_unclaimed", "gauge", "The pool's requests never delivered.",
+                 per_rev("unclaimed"))  # fmt: skip
+    yield family("pool_reclaimable", "gauge", "The pool's requests claimable now (handed back "
+                 "or idle past the reclaim bound; at most 1000 counted).",
+                 per_rev("reclaimable"))  # fmt: skip
+    yield family("pool_oldest_pending_seconds", "gauge", "Age of the pool's oldest pending "
+                 "request.", per_rev("oldest_age_s"))  # fmt: skip
+    claimed = [({"consumer": c}, float(n)) for c, n in sorted(pm["claimed"].items())]
+    yield family("pool_claimed", "gauge", "The pool's claimed requests per consumer "
+                 f"({FREE}: handed back).", claimed)  # fmt: skip
+    stats = pm["stats"]
+    for key, doc in _POOL_STATS:
+        yield one(f"pool_{key}_total", "counter", doc, stats.get(key, 0))
+    served = [({"replica": r}, float(n)) for r, n in sorted(pm["served"].items())]
+    yield family("pool_served_total", "counter", "Results committed, per replica.", served)
+    redis_up = 1.0 if pm["redis"]["reachable"] else 0.0
+    yield one("pool_redis_up", "gauge", "1 while the pool's Redis answers.", redis_up)
+    yield one("pool_claimed_here", "gauge", "Requests this replica holds claimed.",
+              pm["claimed_here"])  # fmt: skip
+    for key, name, doc in _HERE:
+        yield one(name, "counter", doc, pm[key])
+
+
+_POOL_STATS = (
+    ("committed", "The pool's results stored (first results)."),
+    ("failed", "The pool's requests failed."),
+    ("duplicates", "The pool's results dropped: a result was there already."),
+    ("reclaimed", "The pool's claims taken over after the reclaim bound."),
+    ("returned", "The pool's claims handed back unfinished."),
+)
+_HERE = (
+    ("claimed_entries", "pool_claims_here_total", "Requests this replica claimed."),
+    ("reclaimed_here", "pool_reclaimed_here_total", "Of them, taken over from a silent replica."),
+    ("returned_here", "pool_returned_here_total", "Claims this replica handed back."),
+    ("duplicates_here", "pool_duplicates_here_total", "This replica's results dropped."),
+    ("lost_claims", "pool_lost_claims_total", "This replica's claims another one took over."),
+)
 
 
 def registry_for(loop: TurnLoop) -> CollectorRegistry:

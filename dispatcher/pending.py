@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from gpu_slicer.dispatcher.model import Pending
 
-__all__ = ["PendingIndex"]
+__all__ = ["PendingIndex", "PendingView"]
 
 
 class PendingIndex:
@@ -92,3 +92,36 @@ class PendingIndex:
         and the next :meth:`due` returns them again instead of forgetting them."""
         for p in due:
             heapq.heappush(self._deadlines, (p.deadline, 0, p.id))
+
+
+class PendingView:
+    """The read side of a store's pending index (``self._index``), shared by the SQLite
+    store (every pending request of its pool) and the pool store (this replica's claims)."""
+
+    _index: PendingIndex
+
+    def pending(self, revision: str | None = None) -> list[Pending]:
+        """Pending requests (of ``revision``, or all) in acceptance order."""
+        return self._index.pending(revision)
+
+    def iter_pending(self, revision: str) -> Iterator[Pending]:
+        """The pending requests of ``revision`` in acceptance order, without a copy (do
+        not change the store while iterating)."""
+        return self._index.iter_pending(revision)
+
+    def pending_count(self, revision: str) -> int:
+        """How many requests of ``revision`` are pending (O(1): no copy)."""
+        return self._index.count(revision)
+
+    def pending_revisions(self) -> list[str]:
+        """Revisions that have pending requests, the one waiting longest first."""
+        return self._index.revisions()
+
+    def is_pending(self, id: str) -> bool:
+        """Whether ``id`` is still pending (cheap: in memory)."""
+        return id in self._index.by_id
+
+    def pending_token_bytes(self) -> tuple[int, int]:
+        """(token ids held in pending prompts, bytes of their arrays' buffers)."""
+        tokens = self._index.tokens
+        return tokens, tokens * 4

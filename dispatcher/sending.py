@@ -25,7 +25,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -42,6 +42,9 @@ from gpu_slicer.dispatcher.journal import Journal
 from gpu_slicer.dispatcher.model import Counters, Pending, TurnConfig, TurnState
 from gpu_slicer.dispatcher.store import Store
 from gpu_slicer.dispatcher.vllm import CONTROL_TIMEOUT_S, Replica
+
+if TYPE_CHECKING:
+    from gpu_slicer.dispatcher.poollink import PoolJournal
 
 __all__ = [
     "MAX_WEIGHT_REFUSALS",
@@ -110,7 +113,7 @@ class Sender:
     def __init__(
         self,
         store: Store,
-        journal: Journal,
+        journal: Journal | PoolJournal,
         replica: Replica,
         cfg: TurnConfig,
         counters: Counters,

@@ -90,7 +90,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -115,6 +115,9 @@ from gpu_slicer.dispatcher.sending import (  # the send side; its names are expo
 )
 from gpu_slicer.dispatcher.store import Store
 from gpu_slicer.dispatcher.vllm import Replica
+
+if TYPE_CHECKING:  # pool mode's modules (coredis) load only when a pool is used
+    from gpu_slicer.dispatcher.poollink import PoolJournal, PoolLink
 
 __all__ = [
     "LOAD_BACKOFF_MAX_S",
@@ -150,11 +153,13 @@ class Serving:
         counters: Counters,
         events: EventStream,
         enter: Callable[[Phase], None],
-        journal: Journal | None = None,
+        journal: Journal | PoolJournal | None = None,
         on_foreign: Callable[[str, str], None] | None = None,
+        pool: PoolLink | None = None,
     ) -> None:
         self.store = store
         self.journal = journal or Journal(store)
+        self.pool = pool
         self.replica = replica
         self.cfg = cfg
         self.counters = counters
@@ -261,6 +266,10 @@ class Serving:
         b = self._load_backoff.get(revision)
         return b is None or b.retry_at <= now or revision == self.replica.known_version
 
+    def backed_off(self, now: float) -> list[str]:
+        """The revisions whose loads are backed off at ``now`` (trio's clock)."""
+        return [r for r in self._load_backoff if not self._loadable(r, now)]
+
     def load_wait(self, now: float) -> float | None:
         """Seconds until a pending revision may be loaded, when every one is backed off;
         None when one may be served now (or nothing is pending)."""
@@ -291,6 +300,13 @@ class Serving:
         serving: str | None = None  # the revision served since the last phase change
         async with trio.open_nursery() as sends:
             while True:
+                if self.pool is not None and not cur.replica_failed:
+                    # Claims only inside the held turn, up to the free concurrency; a
+                    # Redis failure raises here and ends the turn.
+                    now = trio.current_time()
+                    await self.pool.top_up(
+                        self.replica.known_version, self.backed_off(now), self.in_flight
+                    )
                 now = trio.current_time()
                 pending = self.store.counts()["pending"]
                 if cur.replica_failed:
@@ -383,6 +399,14 @@ class Serving:
         delay = min(LOAD_BACKOFF_MAX_S, LOAD_BACKOFF_MIN_S * 2 ** (b.failures - 1))
         b.retry_at = trio.current_time() + delay
         limit = self.cfg.max_load_failures
+        if self.pool is not None:
+            # Pool mode: another replica may load it (its node may see the path): the
+            # turn's end hands its requests back; this replica reports the failure in
+            # the pool's figures and skips the revision while it is backed off.
+            log.warning("revision %s: load failed on this replica (%d refused); handed back "
+                        "to the pool, tried here again in %.1f s: %s", revision, b.refused,
+                        delay, e)  # fmt: skip
+            return
         if b.refused < limit:
             log.warning("revision %s: load failed (%d refused of %d allowed); other revisions "
                         "first, this one again in %.1f s: %s", revision, b.refused, limit,

@@ -32,6 +32,7 @@ import httpx
 from gpu_slicer import proto
 from gpu_slicer.dispatcher.errors import BadRequest, StateInUse, StoreError
 from gpu_slicer.dispatcher.owner import StateLock
+from gpu_slicer.dispatcher.poolurl import check_url
 from gpu_slicer.dispatcher.store import Store
 from gpu_slicer.slicer.exits import (
     EX_CANTCREAT,
@@ -109,6 +110,43 @@ def check_listen(_ctx: click.Context, _param: click.Parameter, value: str | None
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise click.BadParameter(f"{value!r} is not HOST:PORT, e.g. 127.0.0.1:8100 or [::1]:8100")
+    return value
+
+
+def check_queue(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """``--queue``: ``redis://HOST[:PORT][/DB]`` or ``unix:///PATH[?db=N]``."""
+    if value is None:
+        return None
+    try:
+        return check_url(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+MIN_RECLAIM_IDLE_S = 3.0
+
+
+def check_reclaim_idle(
+    _ctx: click.Context, _param: click.Parameter, value: float | None
+) -> float | None:
+    """``--reclaim-idle``: at least :data:`MIN_RECLAIM_IDLE_S` (a live dispatcher's
+    heartbeat runs every second at best, so a shorter bound would take its claims)."""
+    if value is not None and value < MIN_RECLAIM_IDLE_S:
+        raise click.BadParameter(
+            f"{value:g} s is shorter than {MIN_RECLAIM_IDLE_S:g} s: a live dispatcher's "
+            "heartbeat (every second at best) could not keep its claims"
+        )
+    return value
+
+
+def check_consumer(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """``--consumer``: 1-100 printable ASCII characters, no space (a Redis consumer name)."""
+    if value is not None and not (
+        0 < len(value) <= 100 and value.isascii() and value.isprintable() and " " not in value
+    ):
+        raise click.BadParameter(
+            f"{value!r:.120} must be 1-100 printable ASCII characters, no space"
+        )
     return value
 
 

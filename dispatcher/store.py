@@ -76,7 +76,7 @@ from gpu_slicer.dispatcher.errors import (
     UnknownRevision,
 )
 from gpu_slicer.dispatcher.model import Pending, Result, Revision
-from gpu_slicer.dispatcher.pending import PendingIndex
+from gpu_slicer.dispatcher.pending import PendingIndex, PendingView
 from gpu_slicer.dispatcher.rows import (
     SCHEMA,
     Finish,
@@ -100,6 +100,7 @@ __all__ = [  # Pending, Result, Revision: dispatcher.model's; Finish, Staged: di
     "Staged",
     "Store",
     "check_revision_name",
+    "deadline_error",
 ]
 
 log = logging.getLogger("dispatcher.store")
@@ -118,6 +119,15 @@ def _check_name(what: str, name: object) -> str:
             f"{what} must match [A-Za-z0-9][A-Za-z0-9_.:-]{{0,127}}, got {name!r:.200}"
         )
     return name
+
+
+def deadline_error(p: Pending, now: float) -> str:
+    """The error text of a request that missed its deadline (names pool and revision)."""
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(p.accepted_at))
+    return (
+        f"deadline exceeded: pool {p.pool} revision {p.revision} pending since {since} "
+        f"({now - p.accepted_at:.0f} s, deadline {p.deadline - p.accepted_at:.0f} s)"
+    )
 
 
 def check_revision_name(name: object) -> str:
@@ -142,7 +152,7 @@ def _is_damage(exc: sqlite3.Error) -> bool:
     return "malformed" in text or "not a database" in text
 
 
-class Store:
+class Store(PendingView):
     """The durable queue of one pool in ``state_dir`` (created if missing)."""
 
     def __init__(
@@ -497,28 +507,7 @@ class Store:
             _, old = self._recent.popitem(last=False)
             self._recent_bytes -= len(old.raw or b"") + len(old.error or "")
 
-    # -- the pending index -----------------------------------------------------------
-
-    def pending(self, revision: str | None = None) -> list[Pending]:
-        """Pending requests (of ``revision``, or all) in acceptance order."""
-        return self._index.pending(revision)
-
-    def iter_pending(self, revision: str) -> Iterator[Pending]:
-        """The pending requests of ``revision`` in acceptance order, without a copy (do
-        not change the store while iterating)."""
-        return self._index.iter_pending(revision)
-
-    def pending_count(self, revision: str) -> int:
-        """How many requests of ``revision`` are pending (O(1): no copy)."""
-        return self._index.count(revision)
-
-    def pending_revisions(self) -> list[str]:
-        """Revisions that have pending requests, the one waiting longest first."""
-        return self._index.revisions()
-
-    def is_pending(self, id: str) -> bool:
-        """Whether ``id`` is still pending (cheap: in memory)."""
-        return id in self._pending
+    # -- the pending index (reads: PendingView) ----------------------------------------
 
     def attempt(self, id: str) -> int:
         """Count one more send of pending ``id`` (journaled); returns the new count."""
@@ -594,11 +583,7 @@ class Store:
 
     def deadline_error(self, p: Pending, now: float) -> str:
         """The error text of a request that missed its deadline (names pool and revision)."""
-        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(p.accepted_at))
-        return (
-            f"deadline exceeded: pool {p.pool} revision {p.revision} pending since {since} "
-            f"({now - p.accepted_at:.0f} s, deadline {p.deadline - p.accepted_at:.0f} s)"
-        )
+        return deadline_error(p, now)
 
     # -- figures ---------------------------------------------------------------------
 
@@ -606,7 +591,6 @@ class Store:
         """Number of pending, done and failed samples of this pool."""
         return {"pending": len(self._pending), **self._finished}
 
-    def pending_token_bytes(self) -> tuple[int, int]:
-        """(token ids held in pending prompts, bytes of their arrays' buffers)."""
-        tokens = self._index.tokens
-        return tokens, tokens * 4
+    def wants_turn(self) -> bool:
+        """Whether the turn loop should ask for a turn: anything is pending."""
+        return bool(self._pending)

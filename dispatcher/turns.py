@@ -77,7 +77,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -120,6 +120,9 @@ from gpu_slicer.dispatcher.serve import Serving
 from gpu_slicer.dispatcher.store import Staged, Store, check_revision_name
 from gpu_slicer.dispatcher.vllm import Replica
 from gpu_slicer.slicer.client import AsyncSlicer, ClientError, socket_path
+
+if TYPE_CHECKING:  # pool mode's modules (coredis) load only when a pool is used
+    from gpu_slicer.dispatcher.poollink import PoolJournal, PoolLink
 
 __all__ = ["TurnLoop"]
 
@@ -166,15 +169,17 @@ class TurnLoop:
         connect: Callable[[], Awaitable[AsyncSlicer]] | None = None,
         events: EventStream | None = None,
         probe: bool | None = None,
+        pool: PoolLink | None = None,
     ) -> None:
         self.store = store
+        self.pool = pool
         self.replica = replica
         self.cfg = cfg
         self.counters = Counters()
         self.events = events or EventStream()
         self.phase = Phase.IDLE
         self.turn: int | None = None
-        self.journal = Journal(store)
+        self.journal: Journal | PoolJournal = pool.journal if pool else Journal(store)
         self.health = Health(on_change=self._problem_changed)
         self.recovery = Recovery(
             replica, self.health, cfg.workload, current=lambda: self._current,
@@ -182,8 +187,11 @@ class TurnLoop:
         )  # fmt: skip
         self.serving = Serving(
             store, replica, cfg, counters=self.counters, events=self.events, enter=self._enter,
-            journal=self.journal, on_foreign=self.recovery.foreign,
+            journal=self.journal, on_foreign=self.recovery.foreign, pool=pool,
         )  # fmt: skip
+        if pool is not None:
+            pool.bind(self.serving.signal, self._figures,
+                      lambda: self.serving.backed_off(trio.current_time()))  # fmt: skip
         self._current: TurnState | None = None
         self._connect = connect or (lambda: _connect_default(cfg.socket))
         self._slicer: AsyncSlicer | None = None
@@ -242,8 +250,10 @@ class TurnLoop:
 
     @property
     def end_timeout(self) -> float:
-        """The most seconds ending a held turn takes (sleep, then RELEASE, each bounded)."""
-        return self.cfg.sleep_timeout + RELEASE_TIMEOUT_S
+        """The most seconds ending a held turn takes (in pool mode handing claims back,
+        then sleep, then RELEASE, each bounded)."""
+        back = self.pool.hand_back_timeout if self.pool is not None else 0.0
+        return back + self.cfg.sleep_timeout + RELEASE_TIMEOUT_S
 
     def subscribe(self) -> Subscription:
         """A new reader of :attr:`events`; its first event, ``subscribed``, holds the
@@ -261,7 +271,13 @@ class TurnLoop:
     async def accept(self, kind: str, body: dict[str, Any]) -> Pending:
         """Validate and journal a request, then wake the loop; returns once its group
         committed (:mod:`dispatcher.journal`). Raises DispatchError (nothing journaled)."""
-        staged = self.store.prepare(kind, body, None, self.cfg.sample_deadline)
+        try:
+            staged = self.store.prepare(kind, body, None, self.cfg.sample_deadline)
+        except UnknownRevision:
+            if self.pool is None:
+                raise
+            await self.pool.store.refresh_revisions()  # published on another front?
+            staged = self.store.prepare(kind, body, None, self.cfg.sample_deadline)
         await self.journal.accept([staged])
         self.serving.signal()
         return staged.pending
@@ -274,13 +290,21 @@ class TurnLoop:
         staged: list[Staged] = []
         resolved: dict[str | None, str] = {}  # revision lookups, once per batch
         deadline = self.cfg.sample_deadline
+        refreshed = False
         for i, (kind, body) in enumerate(requests):
             if i % 256 == 255:
                 # A 10,000-prompt list must not hold the loop for half a second; nothing
                 # is journaled before the loop ends, so a cancellation here loses nothing.
                 await trio.lowlevel.checkpoint()
             try:
-                staged.append(self.store.prepare(kind, body, None, deadline, resolved=resolved))
+                try:
+                    staged.append(self.store.prepare(kind, body, None, deadline, resolved=resolved))
+                except UnknownRevision:
+                    if self.pool is None or refreshed:
+                        raise
+                    refreshed = True  # published on another front? read them once
+                    await self.pool.store.refresh_revisions()
+                    staged.append(self.store.prepare(kind, body, None, deadline, resolved=resolved))
             except (BadRequest, UnknownRevision) as e:
                 raise type(e)(f"requests[{i}]: {e}") from None
         await self.journal.accept(staged)
@@ -307,13 +331,30 @@ class TurnLoop:
         self.serving.signal()
         return rev, created
 
+    async def publish_async(self, revision: str, path: str) -> tuple[Revision, bool]:
+        """:meth:`publish`, and in pool mode for the whole pool (Redis)."""
+        if self.pool is None:
+            return self.publish(revision, path)
+        check_revision_name(revision)
+        if self.cfg.check_revision_paths:
+            check_checkpoint_dir(path)  # readable here; each replica reports its loads
+        else:
+            check_path_text(path)
+        out = await self.pool.store.publish(revision, path)
+        self.serving.signal()
+        return out
+
     async def wait_result(self, id: str, timeout: float) -> Result:
         """The sample ``id`` once it is finished, or as it stands after ``timeout`` s."""
+        if self.pool is not None:
+            return await self.pool.wait_result(id, timeout)
         return await self.serving.wait_result(id, timeout)
 
     async def wait_results(self, ids: list[str], timeout: float) -> list[Result]:
         """The samples ``ids`` (in order) once all are finished, or after ``timeout`` s;
         NotFound naming an unknown id."""
+        if self.pool is not None:
+            return await self.pool.wait_results(ids, timeout)
         return await self.serving.wait_results(ids, timeout)
 
     def status(self) -> dict[str, Any]:
@@ -345,6 +386,27 @@ class TurnLoop:
             "store": self.store.health(),
             "load_backoff": self.serving.load_backoff(now),
             "problem": self.health.problem_json(),
+            **({"pool_mode": self.pool.status()} if self.pool else {}),
+        }
+
+    def _figures(self) -> dict[str, Any]:
+        """This replica's figures for the pool's status (pool mode)."""
+        c = self.counters
+        return {
+            "workload": self.cfg.workload,
+            "replica_url": self.replica.base_url,
+            "state": self.phase.value,
+            "turn": self.turn,
+            "loaded_revision": self.replica.known_version,
+            "claimed": self.store.counts()["pending"],
+            "in_flight": self.serving.in_flight,
+            "turns": c.turns,
+            "turn_errors": c.turn_errors,
+            "commits": c.commits,
+            "loads": c.loads,
+            "load_failures": c.load_failures,
+            "load_backoff": self.serving.load_backoff(trio.current_time()),
+            "problem": self.health.problem_json(),
         }
 
     # -- plumbing --------------------------------------------------------------------
@@ -362,7 +424,10 @@ class TurnLoop:
         turn is ended; the writer commits what is still queued)."""
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(self.journal.run)
+                if self.pool is not None:
+                    await nursery.start(self.pool.run)
+                else:
+                    await nursery.start(self.journal.run)
                 nursery.start_soon(self._ticker)
                 if self._probe:
                     nursery.start_soon(
@@ -393,7 +458,15 @@ class TurnLoop:
     async def _loop(self) -> None:
         backoff = BACKOFF_MIN_S
         while True:
-            if not self.store.counts()["pending"]:
+            if not self.store.wants_turn():
+                self._enter(Phase.IDLE)
+                if self.pool is not None:
+                    await self.pool.let_go()
+                await self.serving.wait_change(1.0)
+                continue
+            if self.pool is not None and not await self.pool.may_ask():
+                # Other replicas holding or asking for turns cover the pool's backlog:
+                # waking this one would park its trainer for nothing.
                 self._enter(Phase.IDLE)
                 await self.serving.wait_change(1.0)
                 continue
@@ -415,6 +488,8 @@ class TurnLoop:
                 continue
             self.counters.turn_errors += 1
             self._enter(Phase.BACKOFF)
+            if self.pool is not None:
+                await self.pool.let_go()  # backing off: let other replicas cover the pool
             lost = [x for x in failed if isinstance(x, ClientError) and x.code == "unreachable"]
             if lost:
                 self.health.forget(Check.WORKLOAD)  # a new slicerd may not know it
@@ -434,13 +509,16 @@ class TurnLoop:
         self._enter(Phase.ACQUIRING)
         t0 = time.monotonic()
         try:
-            turn = await slicer.acquire(self.cfg.workload, wait=self.cfg.acquire_wait)
+            wait = self.cfg.acquire_wait
+            if self.pool is not None:  # ask again soon: others may serve the backlog first
+                wait = min(wait, self.pool.acquire_wait)
+            turn = await slicer.acquire(self.cfg.workload, wait=wait)
         except ClientError as e:
             if e.code == "timeout":
                 self.health.ok(Check.DAEMON)
                 self.health.ok(Check.WORKLOAD)  # queued for the GPU: it knows us
                 log.info("ACQUIRE %s: not granted within %g s; again", self.cfg.workload,
-                         self.cfg.acquire_wait)  # fmt: skip
+                         wait)  # fmt: skip
                 return
             if e.code == proto.ErrorCode.UNKNOWN_WORKLOAD:
                 self.health.ok(Check.DAEMON)
@@ -513,6 +591,8 @@ class TurnLoop:
     async def _end_turn(self, slicer: AsyncSlicer, cur: TurnState, reason: str) -> None:
         """Sleep the replica, then RELEASE (runs shielded; every step bounded)."""
         n = cur.turn.turn
+        if self.pool is not None:
+            await self.pool.turn_ended()  # others may serve them while this one sleeps
         if reason == "replica-error" or cur.load_broke:
             self.recovery.needed = True  # perhaps a new replica process: first sight again
         if not self.recovery.told(cur) and cur.replica_failed:

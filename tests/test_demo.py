@@ -177,6 +177,48 @@ def test_demo_k8s_runs_the_loop_with_the_job_in_a_pod(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_demo_pool_serves_every_request_once_across_three_nodes(tmp_path: Path) -> None:
+    # `make demo-pool`: three nodes (fake GPU, slicerd, trainer, replica, dispatcher each)
+    # on one real Redis; a small run: 2 revisions x 40 requests through every front.
+    png = tmp_path / "pool.png"
+    args = ("--pool", "--revisions", "2", "--requests", "40", "--png", str(png), "--json")
+    rc, r, err, elapsed = run_demo(*args, timeout=110)
+    why = f"problems={r['problems']}, took {elapsed:.1f} s\nstderr:\n{err}"
+    assert rc == 0, why
+    assert r["ok"] and r["problems"] == [] and r["mode"] == "pool", why
+    q, pool = r["requests"], r["pool"]
+    # every request served once, from its own revision (the second one's pinned share
+    # from the first), none lost, none failed, none duplicated
+    assert q["sent"] == q["results"] == q["from_their_revision"] == 80 and q["lost"] == 0, why
+    assert q["per_revision"] == {"r1": 44, "r2": 36}, why
+    assert pool["stats"]["committed"] == 80, why
+    assert pool["stats"]["failed"] == pool["stats"]["duplicates"] == 0, why
+    assert sum(pool["served"].values()) == 80 and set(pool["served"]) <= {"node0", "node1", "node2"}
+    # per node: no overlap on its GPU, its turns one at a time, the dispatcher's figures
+    assert r["overlaps"] == {"node0": 0, "node1": 0, "node2": 0} and r["overlap_log"] == [], why
+    assert set(r["nodes"]) == {"node0", "node1", "node2"}
+    for name, n in r["nodes"].items():
+        assert n["faults"] == n["concurrent_turns"] == 0, (name, n)
+        assert n["trainer_turns"] >= 1, (name, n)
+        assert isinstance(n["held_back"], int) and isinstance(n["empty_turns"], int), (name, n)
+    # parks per request: the replicas' turns (each parks a trainer) over requests served
+    assert 1 <= pool["replica_turns"] <= 80, why
+    assert pool["parks_per_request"] == round(pool["replica_turns"] / 80, 4)
+    # the timeline: two rows per node, a replica's '#' never beside its own trainer's
+    rows = r["timeline"]["rows"]
+    assert list(rows) == [f"node{i} {w}" for i in range(3) for w in ("trainer", "replica")]
+    for i in range(3):
+        for a, b in zip(rows[f"node{i} trainer"], rows[f"node{i} replica"], strict=True):
+            assert not (a == "#" and b == "#"), rows
+    assert any("#" in rows[f"node{i} replica"] for i in range(3)), rows
+    assert r["dir"] is None
+    width, height, _ = read_png(png)
+    assert (width, height) == (r["png"]["width"], r["png"]["height"])
+    assert {TRAINER, SAMPLER} <= colours(png)  # trainers' and replicas' turns, drawn
+
+
+@pytest.mark.integration
 def test_real_mode_says_what_is_missing_and_starts_nothing(tmp_path: Path) -> None:
     pytest.importorskip("pynvml")
     from demo.real import missing

@@ -38,6 +38,7 @@ DEPENDENCIES = {
     "starlette",
     "prometheus_client",
     "sniffio",
+    "coredis",
 }
 
 

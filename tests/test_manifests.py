@@ -7,7 +7,9 @@ operator would notice: the sidecar really is a native sidecar, one GPU claim is 
 every container, the socket is where every client looks, the grace periods cover the
 bounds their comments name (read from the code's defaults), and every command line
 names a console script and options that exist (parsed by the real click commands, so a
-misspelt flag fails here, not in a cluster).
+misspelt flag fails here, not in a cluster). For the pool (pool/): one pool on the Redis
+Service, a Redis that fsyncs every write, fronts and NetworkPolicy on the right labels and
+ports, one ReadWriteMany checkpoint volume at one path.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pytest
 import yaml
 
 from gpu_slicer.dispatcher import main as dispatch_main
-from gpu_slicer.dispatcher import turns
+from gpu_slicer.dispatcher import poolconn, turns
 from gpu_slicer.dispatcher.model import TurnConfig
 from gpu_slicer.launcher import main as launch_main
 from gpu_slicer.launcher.config import LaunchConfig, VllmConfig
@@ -38,7 +40,9 @@ DEPLOY = ROOT / "deploy" / "kubernetes"
 VERSIONS = ("1.34.0", "1.37.0")
 SCRIPTS = {"slicerd", "slicerctl", "slicer-launch", "slicer-dispatch"}
 # Programs of the base image or the workload's that the manifests may also run.
-OTHER_PROGRAMS = {"test", "python3", "vllm", "python"}
+OTHER_PROGRAMS = {"test", "python3", "vllm", "python", "sh", "redis-server", "redis-cli"}
+MODES = ("node", "pod", "pool")
+POOL_SET = "sampler-pool"  # the pool's StatefulSet of job pods (pool/20-replicas.yaml)
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
@@ -55,8 +59,18 @@ GRACE_TERMS: dict[str, float | None] = {
     "RELEASE_TIMEOUT_S": turns.RELEASE_TIMEOUT_S,
     "EVENTS_CLOSE_GRACE_S": dispatch_main.EVENTS_CLOSE_GRACE_S,
     "SHUTDOWN_MARGIN_S": dispatch_main.SHUTDOWN_MARGIN_S,
+    "CALL_TIMEOUT_S": poolconn.CALL_TIMEOUT_S,
     "kill_grace": _defaults(LaunchConfig)["kill_grace"],
     "stop": None,
+}
+# A pool dispatcher's --reclaim-idle: at least a turn's whole bound (slicer-dispatch's
+# default for it, dispatcher/main.py), `margin` its 10 s.
+RECLAIM_TERMS: dict[str, float | None] = {
+    "turn_seconds": _defaults(TurnConfig)["turn_seconds"],
+    "turn_grace": _defaults(TurnConfig)["turn_grace"],
+    "sleep_timeout": _defaults(TurnConfig)["sleep_timeout"],
+    "RELEASE_TIMEOUT_S": turns.RELEASE_TIMEOUT_S,
+    "margin": None,
 }
 STARTUP_TERMS: dict[str, float | None] = {
     "boot_timeout": VllmConfig.boot_timeout,
@@ -83,16 +97,23 @@ def _one(mode: str, kind: str, name: str | None = None) -> dict[str, Any]:
     return found[0]
 
 
+def _pod_spec(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod spec a document runs: a Pod's, or a DaemonSet's or StatefulSet's template."""
+    # The document's own object (not a copy): callers compare specs by identity.
+    spec: dict[str, Any] | None = None
+    if doc["kind"] == "Pod":
+        spec = doc["spec"]
+    elif doc["kind"] in ("DaemonSet", "StatefulSet"):
+        spec = doc["spec"]["template"]["spec"]
+    return spec
+
+
 def _pods(mode: str) -> list[dict[str, Any]]:
-    """The pod specs of `mode`: Pods, and the DaemonSet's template."""
+    """The pod specs of `mode`: Pods, and the DaemonSets' and StatefulSets' templates."""
     specs = []
     for f, d in DOCS:
-        if f.parent.name != mode:
-            continue
-        if d["kind"] == "Pod":
-            specs.append(d["spec"])
-        elif d["kind"] == "DaemonSet":
-            specs.append(d["spec"]["template"]["spec"])
+        if f.parent.name == mode and (spec := _pod_spec(d)) is not None:
+            specs.append(spec)
     return specs
 
 
@@ -108,6 +129,25 @@ def _argv(container: dict[str, Any]) -> list[str]:
         if argv[0] == "exec":
             argv = argv[1:]
     return argv
+
+
+def _expand(argv: list[str], container: dict[str, Any]) -> list[str]:
+    """`argv` as the kubelet runs it: each `$(VAR)` replaced by the container's env var
+    VAR (a field reference by a sample value). An undefined VAR would stay literal in a
+    cluster: it fails here."""
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        else:
+            field = e["valueFrom"]["fieldRef"]["fieldPath"]
+            env[e["name"]] = {"metadata.name": "sampler-pool-0"}.get(field, "x")
+
+    def one(m: re.Match[str]) -> str:
+        assert m.group(1) in env, f"{container['name']}: $({m.group(1)}) is not in its env"
+        return env[m.group(1)]
+
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, a) for a in argv]
 
 
 def _config(mode: str) -> dict[str, Any]:
@@ -168,7 +208,7 @@ def _budget(path: Path, label: str, terms: dict[str, float | None]) -> list[tupl
 
 
 def test_every_manifest_file_parses_into_kubernetes_objects() -> None:
-    assert {f.parent.name for f in FILES} == {"node", "pod"}
+    assert {f.parent.name for f in FILES} == set(MODES)
     for f in FILES:
         docs = _load(f)
         assert docs, f"{f} holds no document"
@@ -246,16 +286,12 @@ def _parse(cmd: click.Command, name: str, args: list[str], parent: Any = None) -
 def _command_lines() -> list[tuple[str, list[str]]]:
     lines = []
     for f, d in DOCS:
-        spec = None
-        if d["kind"] == "Pod":
-            spec = d["spec"]
-        elif d["kind"] == "DaemonSet":
-            spec = d["spec"]["template"]["spec"]
+        spec = _pod_spec(d)
         if spec is None:
             continue
         for c in _containers(spec):
             where = f"{f.parent.name}/{f.name}:{c['name']}"
-            lines.append((where, _argv(c)))
+            lines.append((where, _expand(_argv(c), c)))
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 if "exec" in c.get(probe, {}):
                     lines.append((f"{where}:{probe}", c[probe]["exec"]["command"]))
@@ -315,7 +351,7 @@ def _prestop_wait(container: dict[str, Any]) -> tuple[float, str]:
 # --- the config files ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["node", "pod"])
+@pytest.mark.parametrize("mode", MODES)
 def test_config_file_is_one_slicerd_loads(
     mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -385,11 +421,22 @@ def _mount_name_at(container: dict[str, Any], path: str) -> str:
     raise AssertionError(f"{container['name']}: nothing mounted at {path}")
 
 
-# --- pod mode -----------------------------------------------------------------------
+# --- pod mode (and each pod of a pool) -------------------------------------------------
+
+JOB_MODES = ("pod", "pool")
 
 
-def test_pod_mode_slicerd_is_a_native_sidecar_in_a_shared_pid_namespace() -> None:
-    spec = _one("pod", "Pod")["spec"]
+def _job_spec(mode: str) -> dict[str, Any]:
+    """The job pod's spec: pod mode's Pod, or the pool's StatefulSet template (its every
+    replica is a pod-mode job pod)."""
+    if mode == "pool":
+        return dict(_one("pool", "StatefulSet", POOL_SET)["spec"]["template"]["spec"])
+    return dict(_one(mode, "Pod")["spec"])
+
+
+@pytest.mark.parametrize("mode", JOB_MODES)
+def test_pod_mode_slicerd_is_a_native_sidecar_in_a_shared_pid_namespace(mode: str) -> None:
+    spec = _job_spec(mode)
     assert spec["shareProcessNamespace"] is True
     (sidecar,) = spec["initContainers"]
     assert _argv(sidecar)[0] == "slicerd"
@@ -401,10 +448,11 @@ def test_pod_mode_slicerd_is_a_native_sidecar_in_a_shared_pid_namespace() -> Non
     assert "DAC_READ_SEARCH" in sidecar["securityContext"]["capabilities"]["add"]
 
 
-def test_pod_mode_one_gpu_claim_is_referenced_by_every_container() -> None:
-    spec = _one("pod", "Pod")["spec"]
+@pytest.mark.parametrize("mode", JOB_MODES)
+def test_pod_mode_one_gpu_claim_is_referenced_by_every_container(mode: str) -> None:
+    spec = _job_spec(mode)
     (claim,) = spec["resourceClaims"]
-    template = _one("pod", "ResourceClaimTemplate", claim["resourceClaimTemplateName"])
+    template = _one(mode, "ResourceClaimTemplate", claim["resourceClaimTemplateName"])
     assert template["apiVersion"] == "resource.k8s.io/v1"
     (request,) = template["spec"]["spec"]["devices"]["requests"]
     assert request["exactly"]["deviceClassName"] == "gpu.nvidia.com"
@@ -416,9 +464,10 @@ def test_pod_mode_one_gpu_claim_is_referenced_by_every_container() -> None:
             assert GPU_RESOURCE not in res.get(part, {}), c["name"]
 
 
-def test_pod_mode_socket_is_a_memory_emptydir_in_every_client() -> None:
-    cfg = _config("pod")
-    spec = _one("pod", "Pod")["spec"]
+@pytest.mark.parametrize("mode", JOB_MODES)
+def test_pod_mode_socket_is_a_memory_emptydir_in_every_client(mode: str) -> None:
+    cfg = _config(mode)
+    spec = _job_spec(mode)
     name = _socket_volume(spec, cfg["socket"])
     assert _volume(spec, name)["emptyDir"]["medium"] == "Memory"
     for c in _containers(spec):
@@ -439,7 +488,7 @@ def _flag(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-@pytest.mark.parametrize("mode", ["node", "pod"])
+@pytest.mark.parametrize("mode", MODES)
 def test_replica_startup_probe_reads_the_launchers_ready_marker(mode: str) -> None:
     (path,) = [f for f in FILES if f.parent.name == mode and "startupProbe:" in f.read_text()
                and "slicer-launch" in f.read_text()]  # fmt: skip
@@ -455,14 +504,14 @@ def test_replica_startup_probe_reads_the_launchers_ready_marker(mode: str) -> No
     assert _mount_name_at(replica, marker)
 
 
-@pytest.mark.parametrize("mode", ["node", "pod"])
+@pytest.mark.parametrize("mode", MODES)
 def test_dispatcher_readiness_is_get_ready_on_its_listen_port(mode: str) -> None:
     (d,) = [c for s in _pods(mode) for c in s["containers"] if _argv(c)[0] == "slicer-dispatch"]
     port = int(_flag(_argv(d), "--listen").rsplit(":", 1)[1])
     assert d["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
 
 
-@pytest.mark.parametrize("mode", ["node", "pod"])
+@pytest.mark.parametrize("mode", MODES)
 def test_slicerd_probes_ping_its_socket(mode: str) -> None:
     cfg = _config(mode)
     (c,) = [c for s in _pods(mode) for c in _containers(s) if _argv(c)[0] == "slicerd"]
@@ -482,6 +531,11 @@ def test_slicerd_probes_ping_its_socket(mode: str) -> None:
         ("node", "DaemonSet", {"park_timeout"}),
         ("node", "Pod", {"sleep_timeout", "RELEASE_TIMEOUT_S"}),
         ("pod", "Pod", {"sleep_timeout", "RELEASE_TIMEOUT_S", "park_timeout"}),
+        (
+            "pool",
+            "StatefulSet",
+            {"CALL_TIMEOUT_S", "sleep_timeout", "RELEASE_TIMEOUT_S", "park_timeout"},
+        ),
     ],
 )
 def test_termination_grace_covers_the_bounds_its_comment_names(
@@ -497,21 +551,174 @@ def test_termination_grace_covers_the_bounds_its_comment_names(
         for d in _load(path):
             if d["kind"] != kind or "terminationGracePeriodSeconds" not in _spec(d):
                 continue
+            if not any(_argv(c)[0] in SCRIPTS for c in _containers(_spec(d))):
+                continue  # the pool's Redis: test_pool_redis_grace_covers_its_shutdown
             named = {t.split()[0] for b in budgets for t in b.split(" + ")}
             assert required <= named, f"{path.name}: the budget omits {required - named}"
 
 
 def _spec(doc: dict[str, Any]) -> dict[str, Any]:
-    if doc["kind"] == "DaemonSet":
-        return dict(doc["spec"]["template"]["spec"])
-    return dict(doc.get("spec", {}))
+    spec = _pod_spec(doc)
+    return spec if spec is not None else dict(doc.get("spec", {}))
 
 
 def test_every_pod_has_a_grace_budget_where_a_park_may_be_running() -> None:
-    for mode in ("node", "pod"):
+    for mode in MODES:
         for spec in _pods(mode):
             if any(_argv(c)[0] in {"slicerd", "slicer-dispatch"} for c in _containers(spec)):
                 assert "terminationGracePeriodSeconds" in spec
+
+
+# --- pool mode ----------------------------------------------------------------------
+
+
+def _pool_set() -> dict[str, Any]:
+    return _one("pool", "StatefulSet", POOL_SET)
+
+
+def _redis() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pool's Redis StatefulSet and its container."""
+    sts = _one("pool", "StatefulSet", "slicer-redis")
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    return sts, c
+
+
+def _options(argv: list[str]) -> dict[str, str]:
+    """`--flag value` pairs of a command line without `--flag=value` forms."""
+    assert not any(a.startswith("--") and "=" in a for a in argv), argv
+    return {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _pool_dispatchers() -> list[tuple[dict[str, Any], list[str]]]:
+    """Every slicer-dispatch of pool/ with its pod's labels, its line as the kubelet runs it."""
+    found = []
+    for f, d in DOCS:
+        spec = _pod_spec(d)
+        if f.parent.name != "pool" or spec is None:
+            continue
+        labels = d["spec"]["template"]["metadata"]["labels"] if "template" in d["spec"] else {}
+        for c in _containers(spec):
+            argv = _expand(_argv(c), c)
+            if argv[0] == "slicer-dispatch":
+                found.append((labels, argv))
+    return found
+
+
+def test_pool_dispatchers_share_one_pool_on_the_redis_service() -> None:
+    sts, redis = _redis()
+    redis_labels = sts["spec"]["template"]["metadata"]["labels"]
+    redis_port = int(_options(_argv(redis))["--port"])
+    dispatchers = _pool_dispatchers()
+    assert dispatchers, "pool/ runs no dispatcher"
+    pools, queues = set(), set()
+    for labels, argv in dispatchers:
+        opts = _options(argv)
+        pools.add(opts["--pool"])
+        queues.add(opts["--queue"])
+        # The label the Service and the NetworkPolicy select the pool's pods by.
+        assert labels["gpu-slicer/pool"] == opts["--pool"]
+    assert len(pools) == 1, f"the pool's dispatchers name different pools: {pools}"
+    (queue,) = queues
+    m = re.fullmatch(r"redis://([a-z0-9-]+):(\d+)/(\d+)", queue)
+    assert m, f"--queue {queue!r} is not redis://SERVICE:PORT/DB"
+    service = _one("pool", "Service", m.group(1))
+    assert service["spec"].get("clusterIP") != "None", "--queue names the headless Service"
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == int(m.group(2))]
+    assert port["targetPort"] == redis_port
+    assert _selects(service["spec"]["selector"], redis_labels)
+    assert {"containerPort": redis_port, "name": "redis"} in redis["ports"]
+    # Each replica is its own consumer: the pod's name, which the kubelet fills in.
+    (d,) = [c for c in _containers(_job_spec("pool")) if _argv(c)[0] == "slicer-dispatch"]
+    assert "$(POD_NAME)" in _argv(d)
+    (env,) = [e for e in d["env"] if e["name"] == "POD_NAME"]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+def test_pool_reclaim_idle_covers_a_whole_turn() -> None:
+    (path,) = [f for f in FILES if f.parent.name == "pool" and "reclaim budget:" in f.read_text()]
+    (field, total) = _budget(path, "reclaim", RECLAIM_TERMS)[0]
+    assert field == "- --reclaim-idle", field
+    for _, argv in _pool_dispatchers():
+        # Shorter, a live replica's claims would be taken from it mid-turn.
+        assert float(_options(argv)["--reclaim-idle"]) >= total
+    # The dispatcher's own default, which the comment spells out.
+    turn = TurnConfig(workload="x")
+    whole = turn.turn_seconds + turn.turn_grace + turn.sleep_timeout + turns.RELEASE_TIMEOUT_S
+    assert total >= whole
+
+
+def test_pool_redis_persists_every_write_before_it_answers() -> None:
+    sts, redis = _redis()
+    opts = _options(_argv(redis))
+    assert opts["--appendonly"] == "yes"
+    assert opts["--appendfsync"] == "always"  # nothing acknowledged is lost on a crash
+    assert opts["--save"] == ""  # no RDB: the AOF is the one copy
+    assert opts["--maxmemory-policy"] == "noeviction"  # an evicted key is a lost request
+    assert sts["spec"]["replicas"] == 1
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert _mount_name_at(redis, opts["--dir"]) == claim["metadata"]["name"]
+    assert redis["image"].split(":")[1], "the Redis image has a pinned tag"
+    # redis-cli exits 0 on "-LOADING": readiness compares the reply.
+    ready = redis["readinessProbe"]["exec"]["command"]
+    assert ready[:2] == ["sh", "-c"] and "= PONG" in ready[2], ready
+    assert _argv({"command": redis["livenessProbe"]["exec"]["command"]})[-1] == "ping"
+
+
+def test_pool_redis_grace_covers_its_shutdown() -> None:
+    sts, redis = _redis()
+    shutdown = float(_options(_argv(redis))["--shutdown-timeout"])
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 2 * shutdown
+
+
+def test_pool_redis_is_reachable_from_the_pool_pods_only() -> None:
+    sts, redis = _redis()
+    policy = _one("pool", "NetworkPolicy")
+    assert _selects(policy["spec"]["podSelector"]["matchLabels"],
+                    sts["spec"]["template"]["metadata"]["labels"])  # fmt: skip
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}, "only pods of this namespace, by label"
+    assert _selects(peer["podSelector"]["matchLabels"],
+                    _pool_set()["spec"]["template"]["metadata"]["labels"])  # fmt: skip
+    assert rule["ports"] == [{"protocol": "TCP", "port": int(_options(_argv(redis))["--port"])}]
+
+
+def test_pool_service_reaches_every_dispatchers_front() -> None:
+    service = _one("pool", "Service", "sampler")
+    assert service["spec"].get("clusterIP") != "None"
+    for labels, argv in _pool_dispatchers():
+        assert _selects(service["spec"]["selector"], labels)
+        listen_port = int(_options(argv)["--listen"].rsplit(":", 1)[1])
+        (port,) = service["spec"]["ports"]
+        assert port["targetPort"] == listen_port
+    # The Redis pods are not fronts.
+    redis_labels = _redis()[0]["spec"]["template"]["metadata"]["labels"]
+    assert not _selects(service["spec"]["selector"], redis_labels)
+
+
+def test_pool_checkpoints_are_one_shared_volume_at_one_path() -> None:
+    spec = _job_spec("pool")
+    (vol,) = [v for v in spec["volumes"] if "persistentVolumeClaim" in v]
+    pvc = _one("pool", "PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
+    assert pvc["metadata"]["name"] == "checkpoints"
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"], "every replica reads revisions"
+    mounts = {c["name"]: _mount_of(c, vol["name"]) for c in _containers(spec)}
+    users = {name: m for name, m in mounts.items() if m is not None}
+    assert set(users) == {"trainer", "replica", "dispatcher"}
+    (path,) = {m["mountPath"] for m in users.values()}
+    # The trainer writes; the replica loads and the dispatcher checks paths, read-only.
+    assert not users["trainer"].get("readOnly")
+    assert users["replica"]["readOnly"] and users["dispatcher"]["readOnly"]
+    by_name = {c["name"]: c for c in _containers(spec)}
+    trainer = _expand(_argv(by_name["trainer"]), by_name["trainer"])
+    assert _flag(trainer, "--ckpt-dir").startswith(path + "/")
+    replica = _argv(by_name["replica"])
+    assert replica[replica.index("serve") + 1].startswith(path + "/")
 
 
 # --- the image recipe ---------------------------------------------------------------

@@ -13,13 +13,24 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpu_slicer.dispatcher.http import build_app
+from gpu_slicer.dispatcher.metrics import render_metrics
+from gpu_slicer.dispatcher.model import TurnConfig
+from gpu_slicer.dispatcher.poolconn import PoolConn
+from gpu_slicer.dispatcher.poollink import PoolLink
+from gpu_slicer.dispatcher.poolstore import PoolStore
+from gpu_slicer.dispatcher.turns import TurnLoop
+from gpu_slicer.dispatcher.vllm import Replica
 from gpu_slicer.slicer.config import load
 from gpu_slicer.slicer.errors import ConfigError
 from gpu_slicer.slicer.metrics_http import READ_TIMEOUT
 from stubs.fakegpu import Ledger
 from stubs.proc import child_env, free_port
+from stubs.redisserver import RedisServer
 from tests.harness import GiB, running_stack
 from tests.test_dispatcher_journal import BODY, journal_loop
+from tests.test_dispatcher_model import FakeSlicer
+from tests.test_dispatcher_vllm import FakeVllm
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -353,3 +364,67 @@ def test_ipv6_metrics_addresses_are_bracketed_in_urls() -> None:
 
     assert _host("::1") == "[::1]"
     assert _host("127.0.0.1") == "127.0.0.1"
+
+
+@pytest.mark.integration  # a real redis-server
+async def test_pool_mode_metrics_show_the_pool_and_this_replicas_claims(tmp_path: Path) -> None:
+    with trio.fail_after(60), RedisServer(tmp_path / "redis") as redis:
+        ckpt = tmp_path / "ckpt" / "r1"
+        ckpt.mkdir(parents=True)
+        (ckpt / "revision.txt").write_text("r1")
+        async with (
+            PoolConn(redis.url, "pool-p") as conn,
+            Replica("http://vllm", transport=httpx.MockTransport(FakeVllm())) as replica,
+        ):
+            store = PoolStore(conn, "node-a")
+            cfg = TurnConfig(workload="v")
+            loop = TurnLoop(store, replica, cfg, connect=FakeSlicer().connect,
+                            pool=PoolLink(store, cfg.concurrency))  # fmt: skip
+            await loop.publish_async("r1", str(ckpt))
+            async with trio.open_nursery() as nursery:
+                await nursery.start(loop.run)
+                transport = httpx.ASGITransport(app=build_app(loop))
+                async with httpx.AsyncClient(transport=transport, base_url="http://f") as http:
+                    r = await http.post("/v1/samples/batch", json={"requests": [BODY] * 3})
+                    ids = [s["id"] for s in r.json()["samples"]]
+                    r = await http.post("/v1/samples/results", json={"ids": ids, "wait": 300})
+                    assert [x["status"] for x in r.json()["results"]] == ["done"] * 3
+                nursery.cancel_scope.cancel()  # the loop stops: what follows stays put
+            # Another replica's claim, and one of this replica's, on a fresh request each.
+            other = PoolStore(conn, "node-b")
+            await other.refresh_revisions()
+            await other.enqueue([other.prepare("completion", BODY, "r1", 60) for _ in range(3)])
+            assert await other.claim("r1", 1) == 1
+            assert await store.claim("r1", 1) == 1
+            await store.poll()  # what the ticker does every second
+            samples, types = parse(render_metrics(loop).decode())
+    pool = {"pool": "pool-p"}
+    assert value(samples, "slicer_dispatch_pool_pending", revision="r1", **pool) == 3
+    assert value(samples, "slicer_dispatch_pool_unclaimed", revision="r1", **pool) == 1
+    assert value(samples, "slicer_dispatch_pool_reclaimable", revision="r1", **pool) == 0
+    oldest = value(samples, "slicer_dispatch_pool_oldest_pending_seconds", revision="r1", **pool)
+    assert 0 <= oldest < 60
+    assert value(samples, "slicer_dispatch_pool_claimed", consumer=store.consumer, **pool) == 1
+    assert value(samples, "slicer_dispatch_pool_claimed", consumer=other.consumer, **pool) == 1
+    assert value(samples, "slicer_dispatch_pool_committed_total", **pool) == 3
+    assert value(samples, "slicer_dispatch_pool_served_total", replica="node-a", **pool) == 3
+    for name in ("failed", "duplicates", "reclaimed"):
+        assert value(samples, f"slicer_dispatch_pool_{name}_total", **pool) == 0
+    assert value(samples, "slicer_dispatch_pool_redis_up", **pool) == 1
+    assert value(samples, "slicer_dispatch_pool_claimed_here", **pool) == 1
+    assert value(samples, "slicer_dispatch_pool_claims_here_total", **pool) >= 4
+    assert value(samples, "slicer_dispatch_pool_lost_claims_total", **pool) == 0
+    assert value(samples, "slicer_dispatch_done_total", **pool) == 3
+    assert {n for n in types if n.startswith("slicer_dispatch_pool_")} == POOL_SERIES
+    assert all(dict(labels)["pool"] == "pool-p" for _, labels in samples)
+
+
+POOL_SERIES = {
+    f"slicer_dispatch_pool_{n}"
+    for n in [
+        *("pending", "unclaimed", "reclaimable", "oldest_pending_seconds", "claimed"),
+        *("committed", "failed", "duplicates", "reclaimed", "returned", "served"),
+        *("redis_up", "claimed_here", "claims_here", "reclaimed_here", "returned_here"),
+        *("duplicates_here", "lost_claims"),
+    ]
+}

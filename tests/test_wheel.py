@@ -21,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("slicerd", "slicerctl", "slicer-launch", "slicer-dispatch")
+SCRIPTS = ("slicerd", "slicerctl", "slicer-launch", "slicer-dispatch", "slicer-pool")
 PRODUCT = ("proto", "slicer", "launcher", "dispatcher")
 
 

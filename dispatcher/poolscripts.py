@@ -1,0 +1,477 @@
+"""The pool's layout in Redis and the Lua scripts that change it, each one atomic.
+
+Layout (every key of pool P starts with ``slicer:pool:{P}:``; the braces are a hash tag,
+so a pool would live in one slot, but the scripts name no keys: one Redis, not a
+Cluster)::
+
+    revs            hash   revision -> JSON {"path", "published_at", "seq"}
+    revseq          string the publish counter (``seq``: newest is the largest)
+    active          set    the revisions that have a stream
+    q:REV           stream the pending requests of REV, consumer group ``dispatch``
+    unclaimed       hash   REV -> entries of q:REV never delivered to a dispatcher
+    where           hash   sample id -> "REV ENTRY_ID" while the request is pending
+    res:ID          string the result: b"d" REV "\\n" body, or b"f" REV "\\n" error (TTL)
+    done            stream ids of results just stored (capped): wakes the long-polls
+    ev              stream "new" / "ret" / "rev" (capped): wakes idle dispatchers
+    stats           hash   committed, failed, duplicates, reclaimed, returned
+    asking          hash   consumer -> "CAP EXPIRES_MS SINCE_MS GRANTED": who asks for a
+                           turn (or holds one) to serve how much of the backlog
+    served          hash   replica -> results it committed
+    replicas        set    replica names that reported figures
+    replica:NAME    string that replica's figures (JSON, expires)
+
+A request is one stream entry (fields ``i`` id, ``k`` kind, ``a`` params JSON, ``d``
+deadline seconds, ``t`` token ids as packed little-endian int32 or ``x`` UTF-8 text,
+``m`` chat messages JSON): its entry id is its acceptance time (ms), and its deadline is
+measured from it. An entry is *unclaimed* (never delivered), *claimed* by one consumer
+(in the group's pending list, PEL), or *returned* (in the PEL of the pseudo-consumer
+``__free__`` with an idle time set far in the past, so the next claim takes it at once).
+An entry whose owner has been idle longer than the reclaim bound (the owner died: a live
+one touches its entries) is claimed by whoever asks next and counted as *reclaimed*.
+
+The result rule: :data:`COMMIT` stores a result with ``SET NX``, so the first valid
+result of a request wins; a later one is dropped and counted (``duplicates``). Either
+way the entry is acknowledged and deleted, so the stream holds only pending requests.
+
+Every script validates what it needs before it writes anything (a script that fails
+half way keeps its first writes: Redis scripts do not roll back).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CLAIM",
+    "COMMIT",
+    "ENQUEUE",
+    "EXPIRE_SCAN",
+    "FREE",
+    "GROUP",
+    "HOLD",
+    "LOOKUP",
+    "POLL",
+    "PUBLISH",
+    "RETURN",
+    "TOUCH",
+    "UNWANT",
+    "WANT",
+    "prefix",
+]
+
+GROUP = "dispatch"
+FREE = "__free__"  # the pseudo-consumer that holds returned entries
+DONE_MAXLEN = 10_000
+EV_MAXLEN = 1_000
+
+
+def prefix(pool: str) -> str:
+    """The key prefix of pool ``pool`` (module docstring)."""
+    return f"slicer:pool:{{{pool}}}:"
+
+
+# The scripts that free memory or only move entries between owners run even when Redis
+# is at its maxmemory (noeviction): a full Redis refuses new requests (ENQUEUE, PUBLISH:
+# 507) but still drains. (A script with flags may touch keys it does not declare outside
+# Redis Cluster; this client speaks to one Redis.)
+_DRAINS = "#!lua flags=allow-oom\n"
+
+# Shared Lua helpers: stream id order and the group's last delivered id.
+_LIB = """
+local function older(a, b)
+  local am, as = string.match(a, '(%d+)-(%d+)')
+  local bm, bs = string.match(b, '(%d+)-(%d+)')
+  am, bm = tonumber(am), tonumber(bm)
+  if am ~= bm then return am < bm end
+  return tonumber(as) < tonumber(bs)
+end
+local function last_delivered(q)
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', q)) do
+    local name, ld = nil, nil
+    for j = 1, #g, 2 do
+      if g[j] == 'name' then name = g[j + 1] end
+      if g[j] == 'last-delivered-id' then ld = g[j + 1] end
+    end
+    if name == 'dispatch' then return ld end
+  end
+  return '0-0'
+end
+local function owner(q, eid)
+  if redis.call('EXISTS', q) == 0 then return nil end  -- dropped: nothing pending in it
+  local e = redis.call('XPENDING', q, 'dispatch', eid, eid, 1)
+  if #e == 0 then return nil end
+  return e[1][2]
+end
+"""
+
+#: ARGV: prefix, accept until (Redis' clock, ms; 0: no bound), n, then n times (id, rev,
+#: kind, params, form, prompt, messages, dl); form is "t" (token ids), "x" (text) or ""
+#: (chat). All revisions are checked first. Returns the entry ids, in order; errors
+#: ``UNKNOWNREV rev`` and ``LATE`` (the caller gave up waiting: its client was told 503)
+#: write nothing.
+ENQUEUE = """
+local p, n = ARGV[1], tonumber(ARGV[3])
+local by = tonumber(ARGV[2])
+if by > 0 then
+  local t = redis.call('TIME')
+  if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > by then
+    return redis.error_reply('LATE')
+  end
+end
+for k = 0, n - 1 do
+  local rev = ARGV[4 + k * 8 + 1]
+  if redis.call('HEXISTS', p .. 'revs', rev) == 0 then
+    return redis.error_reply('UNKNOWNREV ' .. rev)
+  end
+end
+local out = {}
+for k = 0, n - 1 do
+  local b = 4 + k * 8
+  local id, rev, kind, params = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
+  local form, prompt, msgs, dl = ARGV[b + 4], ARGV[b + 5], ARGV[b + 6], ARGV[b + 7]
+  local q = p .. 'q:' .. rev
+  if redis.call('EXISTS', q) == 0 then
+    redis.call('XGROUP', 'CREATE', q, 'dispatch', '0', 'MKSTREAM')
+  end
+  redis.call('SADD', p .. 'active', rev)
+  local fields = {'i', id, 'k', kind, 'a', params, 'd', dl}
+  if form ~= '' then fields[#fields + 1] = form; fields[#fields + 1] = prompt end
+  if msgs ~= '' then fields[#fields + 1] = 'm'; fields[#fields + 1] = msgs end
+  local eid = redis.call('XADD', q, '*', unpack(fields))
+  redis.call('HSET', p .. 'where', id, rev .. ' ' .. eid)
+  redis.call('HINCRBY', p .. 'unclaimed', rev, 1)
+  out[#out + 1] = eid
+end
+redis.call('XADD', p .. 'ev', 'MAXLEN', '~', 1000, '*', 'e', 'new')
+return out
+"""
+
+#: ARGV: prefix, consumer, preferred revision ("" none), max, reclaim idle ms, then the
+#: revisions to skip (the caller's backed-off loads). Claims up to max entries of ONE
+#: revision: the preferred one if it has claimable entries, else the one whose oldest
+#: claimable entry is oldest. Returned and reclaimable
+#: entries (idle past the bound) come first, then never-delivered ones.
+#: Returns {rev or "", {{entry id, fields}, ...}, reclaimed, claimable left}.
+CLAIM = (
+    _DRAINS
+    + _LIB
+    + """
+local p, me, pref = ARGV[1], ARGV[2], ARGV[3]
+local max, idle = tonumber(ARGV[4]), tonumber(ARGV[5])
+local function oldest(rev)
+  local q = p .. 'q:' .. rev
+  if redis.call('EXISTS', q) == 0 then return nil end
+  local best = nil
+  local pend = redis.call('XPENDING', q, 'dispatch', 'IDLE', idle, '-', '+', 1)
+  if #pend > 0 then best = pend[1][1] end
+  if tonumber(redis.call('HGET', p .. 'unclaimed', rev) or '0') > 0 then
+    local nx = redis.call('XRANGE', q, '(' .. last_delivered(q), '+', 'COUNT', 1)
+    if #nx > 0 and (best == nil or older(nx[1][1], best)) then best = nx[1][1] end
+  end
+  return best
+end
+local skip = {}
+for k = 6, #ARGV do skip[ARGV[k]] = true end
+local revs = redis.call('SMEMBERS', p .. 'active')
+local chosen, at = nil, nil
+if pref ~= '' and not skip[pref] and redis.call('SISMEMBER', p .. 'active', pref) == 1
+   and oldest(pref) then
+  chosen = pref
+else
+  for _, rev in ipairs(revs) do
+    local o = not skip[rev] and oldest(rev)
+    if o and (at == nil or older(o, at)) then chosen, at = rev, o end
+  end
+end
+local got, reclaimed = {}, 0
+if chosen and max > 0 then
+  local q = p .. 'q:' .. chosen
+  for _, e in ipairs(redis.call('XPENDING', q, 'dispatch', 'IDLE', idle, '-', '+', max)) do
+    local r = redis.call('XCLAIM', q, 'dispatch', me, idle, e[1])
+    if #r > 0 and r[1] then
+      got[#got + 1] = r[1]
+      if e[2] ~= '__free__' then reclaimed = reclaimed + 1 end
+    end
+  end
+  if #got < max then
+    local r = redis.call('XREADGROUP', 'GROUP', 'dispatch', me, 'COUNT', max - #got,
+                         'STREAMS', q, '>')
+    if r and r[1] then
+      local n = 0
+      for _, e in ipairs(r[1][2]) do got[#got + 1] = e; n = n + 1 end
+      if n > 0 then redis.call('HINCRBY', p .. 'unclaimed', chosen, -n) end
+    end
+  end
+  if reclaimed > 0 then redis.call('HINCRBY', p .. 'stats', 'reclaimed', reclaimed) end
+end
+local left = 0
+for _, v in ipairs(redis.call('HVALS', p .. 'unclaimed')) do left = left + tonumber(v) end
+for _, rev in ipairs(revs) do
+  local q = p .. 'q:' .. rev
+  if redis.call('EXISTS', q) == 1 then
+    left = left + #redis.call('XPENDING', q, 'dispatch', 'IDLE', idle, '-', '+', 1)
+  end
+end
+return {chosen or '', got, reclaimed, left}
+"""
+)
+
+#: ARGV: prefix, reclaim idle ms. Read only. Returns {{rev, unclaimed, reclaimable (at
+#: most 1000 counted), claimed, oldest entry id or ""}, ...} and {{consumer, claimed}...}.
+POLL = (
+    _LIB
+    + """
+local p, idle = ARGV[1], tonumber(ARGV[2])
+local out, owners = {}, {}
+for _, rev in ipairs(redis.call('SMEMBERS', p .. 'active')) do
+  local q = p .. 'q:' .. rev
+  if redis.call('EXISTS', q) == 1 then
+    local un = tonumber(redis.call('HGET', p .. 'unclaimed', rev) or '0')
+    local rc = #redis.call('XPENDING', q, 'dispatch', 'IDLE', idle, '-', '+', 1000)
+    local s = redis.call('XPENDING', q, 'dispatch')
+    local first = redis.call('XRANGE', q, '-', '+', 'COUNT', 1)
+    local oldest = ''
+    if #first > 0 then oldest = first[1][1] end
+    out[#out + 1] = {rev, un, rc, s[1], oldest}
+    if s[4] then
+      for _, c in ipairs(s[4]) do owners[c[1]] = (owners[c[1]] or 0) + tonumber(c[2]) end
+    end
+  end
+end
+local flat = {}
+for c, n in pairs(owners) do flat[#flat + 1] = {c, n} end
+return {out, flat}
+"""
+)
+
+#: ARGV: prefix, consumer, then pairs (rev, entry id). Hands the consumer's entries back
+#: to the pool (owner ``__free__``, idle far in the past: claimable at once). Returns how
+#: many it handed back (an entry another consumer took meanwhile is left alone).
+RETURN = (
+    _DRAINS
+    + _LIB
+    + """
+local p, me, n = ARGV[1], ARGV[2], 0
+for k = 3, #ARGV, 2 do
+  local q = p .. 'q:' .. ARGV[k]
+  if owner(q, ARGV[k + 1]) == me then
+    redis.call('XCLAIM', q, 'dispatch', '__free__', 0, ARGV[k + 1], 'IDLE', 100000000000,
+               'JUSTID')
+    n = n + 1
+  end
+end
+if n > 0 then
+  redis.call('HINCRBY', p .. 'stats', 'returned', n)
+  redis.call('XADD', p .. 'ev', 'MAXLEN', '~', 1000, '*', 'e', 'ret')
+end
+return n
+"""
+)
+
+#: ARGV: prefix, consumer, then pairs (rev, entry id): resets the idle time of the
+#: consumer's own entries (its heartbeat). Returns {still its own, owned by another}
+#: (the rest have no owner: their result is stored).
+TOUCH = (
+    _DRAINS
+    + _LIB
+    + """
+local p, me, n, other = ARGV[1], ARGV[2], 0, 0
+for k = 3, #ARGV, 2 do
+  local q = p .. 'q:' .. ARGV[k]
+  local o = owner(q, ARGV[k + 1])
+  if o == me then
+    redis.call('XCLAIM', q, 'dispatch', me, 0, ARGV[k + 1], 'JUSTID')
+    n = n + 1
+  elseif o and o ~= '__free__' then
+    other = other + 1
+  end
+end
+return {n, other}
+"""
+)
+
+#: ARGV: prefix, replica name, result TTL s, then (id, rev, entry id, payload) groups;
+#: payload starts with "d" (done) or "f" (failed). The first result of an id wins
+#: (SET NX); either way its entry is acknowledged and deleted. Returns 1 (stored) or 0
+#: (a result was there: dropped, counted as a duplicate) per id.
+COMMIT = (
+    _DRAINS
+    + """
+local p, who, ttl = ARGV[1], ARGV[2], ARGV[3]
+local out = {}
+for k = 4, #ARGV, 4 do
+  local id, rev, eid, payload = ARGV[k], ARGV[k + 1], ARGV[k + 2], ARGV[k + 3]
+  local q = p .. 'q:' .. rev
+  local stored = redis.call('SET', p .. 'res:' .. id, payload, 'NX', 'EX', ttl)
+  if stored then
+    if redis.call('EXISTS', q) == 1 then
+      local pend = redis.call('XPENDING', q, 'dispatch', eid, eid, 1)
+      if #pend == 0 and #redis.call('XRANGE', q, eid, eid) > 0 then
+        redis.call('HINCRBY', p .. 'unclaimed', rev, -1)  -- failed before any claim
+      end
+    end
+    redis.call('HDEL', p .. 'where', id)
+    redis.call('XADD', p .. 'done', 'MAXLEN', '~', 10000, '*', 'i', id)
+    if string.sub(payload, 1, 1) == 'd' then
+      redis.call('HINCRBY', p .. 'stats', 'committed', 1)
+      redis.call('HINCRBY', p .. 'served', who, 1)
+    else
+      redis.call('HINCRBY', p .. 'stats', 'failed', 1)
+    end
+    out[#out + 1] = 1
+  else
+    redis.call('HINCRBY', p .. 'stats', 'duplicates', 1)
+    out[#out + 1] = 0
+  end
+  if redis.call('EXISTS', q) == 1 then
+    redis.call('XACK', q, 'dispatch', eid)
+    redis.call('XDEL', q, eid)
+    -- Nothing pending any more: drop the stream (its group and consumers with it), so
+    -- the cost of every scan stays with the revisions that have work. ENQUEUE makes it
+    -- anew when the revision gets a request again.
+    if redis.call('XLEN', q) == 0 and redis.call('XPENDING', q, 'dispatch')[1] == 0 then
+      redis.call('DEL', q)
+      redis.call('SREM', p .. 'active', rev)
+      redis.call('HDEL', p .. 'unclaimed', rev)
+    end
+  end
+end
+return out
+"""
+)
+
+#: ARGV: prefix, ids. Returns, per id, {"r", the result's payload}, {"p", rev, entry id}
+#: while pending, or {"n"} (no such request in the pool, or its result expired).
+LOOKUP = """
+local p, out = ARGV[1], {}
+for k = 2, #ARGV do
+  local id = ARGV[k]
+  local r = redis.call('GET', p .. 'res:' .. id)
+  if r then
+    out[#out + 1] = {'r', r}
+  else
+    local w = redis.call('HGET', p .. 'where', id)
+    if w then
+      local rev, eid = string.match(w, '^(%S+) (%S+)$')
+      out[#out + 1] = {'p', rev, eid}
+    else
+      out[#out + 1] = {'n'}
+    end
+  end
+end
+return out
+"""
+
+#: ARGV: prefix, max entries scanned per revision. Read only. Returns {now ms (Redis'
+#: clock: the caller learns its offset from it), {{id,
+#: rev, entry id, deadline s}, ...}} for the entries past their deadline (entry time +
+#: ``d``) among the oldest of each revision's stream.
+EXPIRE_SCAN = """
+local p, scan = ARGV[1], tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local due = {}
+for _, rev in ipairs(redis.call('SMEMBERS', p .. 'active')) do
+  local q = p .. 'q:' .. rev
+  for _, e in ipairs(redis.call('XRANGE', q, '-', '+', 'COUNT', scan)) do
+    local ms = tonumber(string.match(e[1], '^(%d+)-'))
+    local id, dl = nil, nil
+    for j = 1, #e[2], 2 do
+      if e[2][j] == 'i' then id = e[2][j + 1] end
+      if e[2][j] == 'd' then dl = tonumber(e[2][j + 1]) end
+    end
+    if id and dl and ms + dl * 1000 <= now then due[#due + 1] = {id, rev, e[1], tostring(dl)} end
+  end
+end
+return {now, due}
+"""
+
+#: ARGV: prefix, name, path, published_at. Returns {1, json} when newly published, or
+#: {0, json} of the revision already published under that name.
+PUBLISH = """
+local p, name, path, at = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local old = redis.call('HGET', p .. 'revs', name)
+if old then return {0, old} end
+local seq = redis.call('INCR', p .. 'revseq')
+local v = cjson.encode({path = path, published_at = tonumber(at), seq = seq})
+redis.call('HSET', p .. 'revs', name, v)
+redis.call('XADD', p .. 'ev', 'MAXLEN', '~', 1000, '*', 'e', 'rev')
+return {1, v}
+"""
+
+#: Turn coordination (waking a replica parks its trainer: one pending request must wake
+#: one replica, not every node's). ARGV: prefix, consumer, capacity, ttl ms, patience
+#: ms, reclaim idle ms, then the revisions this replica cannot serve now (not counted).
+#: Backlog B = never-delivered entries + reclaimable ones; covered C = the capacity of
+#: every other consumer holding a turn, or asking for one since less than ``patience``
+#: (a replica whose trainer keeps its GPU long stops covering) and, for one that already
+#: asks, since before it. The caller may ask its slicerd for a turn when B > C: it is
+#: then recorded as asking (until it holds, lets go, or its ttl passes without a HOLD).
+#: Returns {0|1, B, C}.
+WANT = (
+    _DRAINS
+    + """
+local p, me, cap = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local ttl, patience, idle = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local skip = {}
+for k = 7, #ARGV do skip[ARGV[k]] = true end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local backlog = 0
+for _, rev in ipairs(redis.call('SMEMBERS', p .. 'active')) do
+  local q = p .. 'q:' .. rev
+  if not skip[rev] and redis.call('EXISTS', q) == 1 then
+    backlog = backlog + tonumber(redis.call('HGET', p .. 'unclaimed', rev) or '0')
+    backlog = backlog + #redis.call('XPENDING', q, 'dispatch', 'IDLE', idle, '-', '+', 1000)
+  end
+end
+local all = redis.call('HGETALL', p .. 'asking')
+local mine = nil
+for j = 1, #all, 2 do
+  if all[j] == me then mine = string.match(all[j + 1], '^%d+ %d+ (%d+) %d$') end
+end
+-- Covered: replicas holding a turn, and those asking for less than `patience`. One that
+-- already asks counts only those that began before it: a younger one, asking since this
+-- one's patience ran out, adds to it and does not replace it.
+local covered = 0
+for j = 1, #all, 2 do
+  local c, v = all[j], all[j + 1]
+  local ccap, exp, since, granted = string.match(v, '^(%d+) (%d+) (%d+) (%d)$')
+  if not ccap or tonumber(exp) < now then
+    redis.call('HDEL', p .. 'asking', c)
+  elseif c ~= me and (granted == '1' or (now - tonumber(since) < patience
+      and (mine == nil or tonumber(since) < tonumber(mine)))) then
+    covered = covered + tonumber(ccap)
+  end
+end
+if backlog > covered then
+  redis.call('HSET', p .. 'asking', me,
+             string.format('%d %d %s 0', cap, now + ttl, mine or tostring(now)))
+  return {1, backlog, covered}
+end
+if mine then redis.call('HDEL', p .. 'asking', me) end
+return {0, backlog, covered}
+"""
+)
+
+#: ARGV: prefix, consumer, capacity, ttl ms, granted (0|1): refresh this consumer's
+#: record (asking, or holding a turn once granted). Returns 1.
+HOLD = (
+    _DRAINS
+    + """
+local p, me, cap, ttl, granted = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local v = redis.call('HGET', p .. 'asking', me)
+local since = tostring(now)
+if v then since = string.match(v, '^%d+ %d+ (%d+) %d$') or since end
+redis.call('HSET', p .. 'asking', me, string.format('%s %d %s %s', cap, now + ttl, since, granted))
+return 1
+"""
+)
+
+#: ARGV: prefix, consumer: no longer asking nor holding. Returns 1 if it was recorded.
+UNWANT = (
+    _DRAINS
+    + """
+return redis.call('HDEL', ARGV[1] .. 'asking', ARGV[2])
+"""
+)
