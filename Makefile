@@ -116,8 +116,9 @@ demo-k8s: $(DEMO_STAMP)
 	$(BIN)/python -m demo --pods
 
 # The handoff micro-benchmark, the dispatcher benchmark, the pool benchmark (bench/pool.py:
-# a real Redis, three simulated nodes), one profiled run of the first two (the
-# profile summaries), then the share-efficiency scenarios and levers; regenerates
+# a real Redis, three simulated nodes), fit-aware turns on and off at 0.6B and the busy
+# fraction they give at 8B @ 55 GB/s (bench/fit.py, about 3 min), one profiled run of the
+# first two (the profile summaries), then the share-efficiency scenarios and levers; regenerates
 # BENCHMARKS.md (with the hot-path targets before and after: bench/hotpath_before.json)
 # and bench/efficiency.png (bench/gpu_check.md, written by bench/gpu_check.sh on a GPU
 # machine, is included when present).
@@ -132,6 +133,9 @@ bench: $(STAMP) redis
 	$(BIN)/python bench/pool.py --json-file "$$t/p.json" >"$$t/p.txt" \
 		|| { cat "$$t/p.txt"; exit 1; }; \
 	cat "$$t/p.txt"; \
+	$(BIN)/python bench/fit.py --json-file "$$t/f.json" >"$$t/f.txt" \
+		|| { cat "$$t/f.txt"; exit 1; }; \
+	cat "$$t/f.txt"; \
 	$(BIN)/python bench/handoff.py --only handoff --cycles 300 --profile-daemon "$$t/h.prof" \
 		--json >/dev/null && \
 	$(BIN)/python bench/profile_summary.py "$$t/h.prof" --top 12 >"$$t/h.sum"; \
@@ -142,7 +146,8 @@ bench: $(STAMP) redis
 		--hotpath-before bench/hotpath_before.json --dispatch-json "$$t/d.json" \
 		--dispatch-output "$$t/d.txt" --handoff-json "$$t/h.json" \
 		--profile-text dispatcher="$$t/d.sum" --profile-text daemon="$$t/h.sum" \
-		--pool-output "$$t/p.txt" --markdown BENCHMARKS.md --png bench/efficiency.png
+		--pool-output "$$t/p.txt" --fit-output "$$t/f.txt" --fit-json "$$t/f.json" \
+		--markdown BENCHMARKS.md --png bench/efficiency.png
 
 # Randomized chaos scenarios (tests/chaos) for MINUTES; a summary table; exit 1 on any
 # invariant violation. One JSON report per scenario in /tmp/soak-SEED.jsonl.

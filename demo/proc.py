@@ -85,7 +85,7 @@ async def start_daemon(
     """Start slicerd as systemd would and wait (bounded) for its READY=1; its socket."""
     sock = str(base / "slicer.sock")
     if args is None:
-        args = list(FAKE_BACKEND)
+        args = [*FAKE_BACKEND, "--parker", "cli"]  # never a real libcuda on the fake GPU
     args = [*args, "--socket", sock, "--state-dir", str(base / "state"), "--log-level", "info"]
     with stubs.proc.Notify(base / "notify") as notify:
         procs.daemon = spawn(

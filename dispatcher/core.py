@@ -50,6 +50,9 @@ takes a list of prompts and answers choice ``index = position * n + j``.
 same prompt form), :func:`batch_request_body` builds the send, and :func:`split_batch`
 turns the answer into one body per sample; each is then judged by :func:`result_ok` on
 its own, exactly like the answer of a send of its own.
+
+The sleep level of a turn's end (``slicer-dispatch --sleep-level``) is
+:func:`sleep_level`'s: level 2 when the next wake loads other weights anyway.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from __future__ import annotations
 import array
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +83,7 @@ __all__ = [
     "parse_model",
     "request_body",
     "result_ok",
+    "sleep_level",
     "split_batch",
     "weight_versions",
 ]
@@ -466,6 +470,39 @@ def next_revision(store_pending_revisions: list[str], loaded: str | None) -> str
     if loaded is not None and loaded in store_pending_revisions:
         return loaded
     return store_pending_revisions[0] if store_pending_revisions else None
+
+
+def sleep_level(
+    mode: str,
+    loaded: str | None,
+    wanted: Collection[str],
+    newest: str | None,
+    changing: bool = False,
+) -> int:
+    """vLLM's sleep level at a turn's end (``slicer-dispatch --sleep-level``).
+
+    ``mode`` "1" or "2" is that level. "auto": level 2 (drop the weights) when the next
+    wake will load other weights anyway, else level 1 (copy them to host RAM and back):
+
+    * nothing known is loaded (``loaded`` None: a failed load, a level-2 wake not
+      finished, a recovery): the next wake loads whatever it serves;
+    * ``wanted`` (the revisions pending requests ask for) holds ``loaded``: level 1, as
+      the next wake serves the loaded revision first (:func:`next_revision`);
+    * ``wanted`` holds only other revisions: level 2;
+    * nothing is pending: level 2 if a revision other than ``loaded`` is the newest
+      published (``newest``), which the next unpinned requests take, or if the weights
+      have been ``changing`` (each of the last turns loaded another revision: an RL loop,
+      whose trainer publishes the next one while the replica sleeps); else level 1.
+    """
+    if mode in ("1", "2"):
+        return int(mode)
+    if loaded is None:
+        return 2
+    if loaded in wanted:
+        return 1
+    if wanted:
+        return 2
+    return 2 if changing or (newest is not None and newest != loaded) else 1
 
 
 @dataclass(frozen=True)

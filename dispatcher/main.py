@@ -4,6 +4,7 @@
         [--socket S] [--state-dir D] [--pool NAME] [--listen HOST:PORT | --listen-unix PATH]
         [--weight-check spans|label] [--max-send-errors N] [--max-load-failures N]
         [--no-check-revision-paths] [--sync normal|full] [--batch-prompts N]
+        [--sleep-level auto|1|2] [--lazy-sleep/--no-lazy-sleep] [--lazy-sleep-always]
         [--queue REDIS_URL [--consumer NAME] [--reclaim-idle S] [--result-ttl S]
                            [--ask-patience S]]
 
@@ -26,6 +27,22 @@ the ``usage`` of the whole send, and ``"batch": {"size": K, "position": I}``. A 
 refuses (400/422) is sent again one sample per request, so a bad prompt fails alone with
 vLLM's own error. Chat samples are never batched. ``--concurrency`` bounds the sends in
 flight (a batch is one). See :mod:`dispatcher.serve`.
+
+``--sleep-level`` is vLLM's sleep level at each turn's end: ``1`` copies the weights to
+host RAM and back, ``2`` drops them (the next wake loads them: ``/wake_up?tags=weights``,
+a whole load, ``/wake_up?tags=kv_cache``, ``/reset_prefix_cache``), ``auto`` (default)
+picks 2 when the next wake will load other weights anyway (a newer revision published,
+or pending requests that want only other revisions), else 1 (:func:`dispatcher.core.sleep_level`).
+
+``--lazy-sleep`` (default) ends a turn that ran out of work without anybody else asking
+for the GPU (no WAITING) with a RELEASE that leaves vLLM awake and loaded, when the
+replica is healthy; the next turn reads ``GET /is_sleeping`` and skips the wake. When
+another workload asks for the GPU meanwhile, slicerd parks the idle replica itself
+(PARK to its launcher, which sleeps it; verified; cuda-checkpoint as the fallback;
+bounded by ``registrant_park_timeout``). ``--no-lazy-sleep``: every turn ends with a
+sleep, as before (see :mod:`dispatcher.turns`). ``--lazy-sleep-always`` leaves vLLM awake
+also when another workload waited: slicerd then freezes it beside that one (its
+``fit_aware``) or has its launcher sleep it.
 
 ``--sync`` is SQLite's ``PRAGMA synchronous`` for the store: ``normal`` (default) loses
 nothing acknowledged on a process crash, but a power loss may drop the commits since the
@@ -87,6 +104,7 @@ from gpu_slicer.dispatcher.http import build_app, serve_http
 from gpu_slicer.dispatcher.model import (
     MAX_LOAD_FAILURES,
     MAX_SEND_ERRORS,
+    SLEEP_LEVELS,
     WEIGHT_CHECKS,
     TurnConfig,
 )
@@ -141,26 +159,28 @@ async def _run(
             queue = store
         loop = TurnLoop(queue, replica, cfg, pool=link)  # type: ignore[arg-type]
         stop = trio.Event()
-        async with trio.open_nursery() as nursery:
-            async with trio.open_nursery() as turns:
-                await turns.start(loop.run)
-                # The open requests outlive the turn's end (and "closed"): main cuts them.
-                grace = loop.end_timeout + EVENTS_CLOSE_GRACE_S + SHUTDOWN_MARGIN_S
-                serve = partial(serve_http, build_app(loop), bind, stop, grace=grace)
-                try:
-                    binds = await nursery.start(serve)
-                except OSError as e:
-                    raise startup.bind_failure(bind, e) from None
-                print(f"listening on {' '.join(binds)}", file=sys.stderr, flush=True)
-                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        # Caught before the turn loop starts and the front binds: a SIGTERM the moment the
+        # port answers must stop cleanly (exit 0), never by the default action.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                async with trio.open_nursery() as turns:
+                    await turns.start(loop.run)
+                    # The open requests outlive the turn's end (and "closed"): main cuts them.
+                    grace = loop.end_timeout + EVENTS_CLOSE_GRACE_S + SHUTDOWN_MARGIN_S
+                    serve = partial(serve_http, build_app(loop), bind, stop, grace=grace)
+                    try:
+                        binds = await nursery.start(serve)
+                    except OSError as e:
+                        raise startup.bind_failure(bind, e) from None
+                    print(f"listening on {' '.join(binds)}", file=sys.stderr, flush=True)
                     async for signum in signals:
                         log.info("%s: stopping", signal.Signals(signum).name)
                         break
-                stop.set()  # no new connections; the open ones (event streams) stay
-                turns.cancel_scope.cancel()  # the loop ends its turn (shielded, bounded)
-            # The turn's end is published; the event streams end with their "closed" line.
-            await loop.events.aclose(EVENTS_CLOSE_GRACE_S)
-            nursery.cancel_scope.cancel()  # only now: the requests still open are cut
+                    stop.set()  # no new connections; the open ones (event streams) stay
+                    turns.cancel_scope.cancel()  # the loop ends its turn (shielded, bounded)
+                # The turn's end is published; the event streams end with their "closed" line.
+                await loop.events.aclose(EVENTS_CLOSE_GRACE_S)
+                nursery.cancel_scope.cancel()  # only now: the requests still open are cut
 
 
 def _bind(listen: str | None, listen_unix: str | None) -> str:
@@ -240,6 +260,17 @@ def _bind(listen: str | None, listen_unix: str | None) -> str:
 @click.option("--batch-prompts", type=click.IntRange(1, 256), default=1, show_default=True,
               help="completion samples with identical parameters sent in one request as a "
               "list of prompts (1: one request per sample); chat samples go alone")  # fmt: skip
+@click.option("--sleep-level", type=click.Choice(SLEEP_LEVELS), default="auto", show_default=True,
+              help="vLLM sleep level at a turn's end: 1 copies the weights to host RAM, 2 "
+              "drops them (reloaded at the next wake); auto: 2 when the next wake loads "
+              "other weights anyway")  # fmt: skip
+@click.option("--lazy-sleep/--no-lazy-sleep", default=True, show_default=True,
+              help="a turn nobody else waited on ends without a vLLM sleep (slicerd has the "
+              "launcher sleep it when another workload asks for the GPU)")  # fmt: skip
+@click.option("--lazy-sleep-always", is_flag=True,
+              help="with --lazy-sleep, also leave vLLM awake when another workload waits: "
+              "slicerd then freezes it beside the next (slicerd fit_aware) or has the "
+              "launcher sleep it")  # fmt: skip
 @click.option("--log-level", type=click.Choice(startup.LOG_LEVELS, case_sensitive=False),
               default="info", show_default=True)  # fmt: skip
 def main(
@@ -261,6 +292,9 @@ def main(
     check_revision_paths: bool,
     sync: str,
     batch_prompts: int,
+    sleep_level: str,
+    lazy_sleep: bool,
+    lazy_sleep_always: bool,
     log_level: str,
     queue: str | None,
     consumer: str | None,
@@ -297,6 +331,9 @@ def main(
             max_load_failures=max_load_failures,
             check_revision_paths=check_revision_paths,
             batch_prompts=batch_prompts,
+            sleep_level=sleep_level,
+            lazy_sleep=lazy_sleep,
+            lazy_always=lazy_sleep_always,
         )
         log.info("weight check: %s", weight_check)
         pool_args = None

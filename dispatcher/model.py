@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_LOAD_FAILURES",
     "MAX_SEND_ERRORS",
+    "SLEEP_LEVELS",
     "TRANSITIONS",
     "WEIGHT_CHECKS",
     "Counters",
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 WEIGHT_CHECKS = ("spans", "label")  # --weight-check: see "Two ways" in dispatcher.core
+SLEEP_LEVELS = ("auto", "1", "2")  # --sleep-level: see core.sleep_level
 MAX_SEND_ERRORS = 3  # unexpected errors sending one request before it is failed
 MAX_LOAD_FAILURES = 3  # refused loads of one revision in a row before its requests fail
 
@@ -93,10 +95,12 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
         {Phase.IDLE, Phase.BACKOFF, Phase.ACQUIRING, Phase.RECOVERING, Phase.WAKING, Phase.SLEEPING}
     ),
     Phase.RECOVERING: frozenset({Phase.WAKING, Phase.SLEEPING}),
-    Phase.WAKING: frozenset({Phase.LOADING, Phase.SERVING, Phase.SLEEPING}),
-    Phase.LOADING: frozenset({Phase.LOADING, Phase.SERVING, Phase.SLEEPING}),
-    Phase.SERVING: frozenset({Phase.LOADING, Phase.GRACE, Phase.SLEEPING}),
-    Phase.GRACE: frozenset({Phase.SLEEPING}),
+    # RELEASING straight from a turn's phases: a lazy release (--lazy-sleep) leaves vLLM
+    # awake when nobody else asked for the GPU.
+    Phase.WAKING: frozenset({Phase.LOADING, Phase.SERVING, Phase.SLEEPING, Phase.RELEASING}),
+    Phase.LOADING: frozenset({Phase.LOADING, Phase.SERVING, Phase.SLEEPING, Phase.RELEASING}),
+    Phase.SERVING: frozenset({Phase.LOADING, Phase.GRACE, Phase.SLEEPING, Phase.RELEASING}),
+    Phase.GRACE: frozenset({Phase.SLEEPING, Phase.RELEASING}),
     Phase.SLEEPING: frozenset({Phase.RELEASING}),
     Phase.RELEASING: frozenset({Phase.IDLE}),
 }
@@ -133,12 +137,21 @@ class TurnConfig:
     max_load_failures: int = MAX_LOAD_FAILURES
     check_revision_paths: bool = True  # publish refuses a path that is no checkpoint dir
     batch_prompts: int = 1  # completion samples per send (dispatcher.serve); 1: one each
+    sleep_level: str = "auto"  # one of SLEEP_LEVELS: vLLM's sleep level at a turn's end
+    # A turn nobody waited on ends without a sleep (slicer-dispatch --lazy-sleep, on by
+    # default there; off here, so an embedded loop keeps sleeping at every turn's end).
+    lazy_sleep: bool = False
+    # ... also when another workload waited (--lazy-sleep-always): slicerd decides, by
+    # freezing it beside the next (fit_aware) or having its launcher sleep it.
+    lazy_always: bool = False
 
     def __post_init__(self) -> None:
         if self.weight_check not in WEIGHT_CHECKS:
             raise ValueError(
                 f"weight_check must be one of {WEIGHT_CHECKS}, got {self.weight_check!r}"
             )
+        if self.sleep_level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {self.sleep_level!r}")
         for name in ("max_send_errors", "max_load_failures", "batch_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
@@ -206,6 +219,10 @@ class Counters:
     expired: int = 0
     refused_by_replica: int = 0
     send_errors: int = 0
+    sleeps_level1: int = 0  # turns ended with vLLM sleep level 1 (weights to host RAM)
+    sleeps_level2: int = 0  # ... level 2 (weights dropped; the next wake loads them)
+    lazy_releases: int = 0  # turns ended without a sleep: nobody else wanted the GPU
+    wakes_skipped: int = 0  # turns that found the replica still awake: no wake, no load
     rejects: Counter[str] = field(default_factory=Counter)
 
 

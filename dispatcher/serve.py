@@ -13,7 +13,10 @@ Inside a turn (:meth:`Serving.serve`)::
     loop:  revision = _choose()                    core.next_revision, preferring the
                                                    loaded one (no reload)
            _load(revision) as a whole              <= load_timeout, only with no send
-                                                   in flight
+                                                   in flight; after a level-2 sleep
+                                                   (the turn woke only the weights) it
+                                                   then wakes the KV cache and resets
+                                                   the prefix cache (wake_timeout)
            fill(): send pending requests of it     <= concurrency at once, each bounded
                                                    by its deadline (dispatcher.sending)
            _judge(): commit only if core.result_ok
@@ -382,6 +385,26 @@ class Serving:
         self.counters.loads += 1
         log.info("turn %d: loaded revision %s in %.3f s", n, revision,
                  time.monotonic() - t0)  # fmt: skip
+        if self.replica.kv_asleep:
+            await self._wake_kv_cache(cur)
+
+    async def _wake_kv_cache(self, cur: TurnState) -> None:
+        """The end of a level-2 wake, once the weights are loaded: wake the KV cache and
+        reset the prefix cache. A failure marks the replica failed (the turn ends; the
+        weights count as unknown, so the next turn wakes in the same order and loads)."""
+        n = cur.turn.turn
+        t0 = time.monotonic()
+        try:
+            await self.replica.wake_kv_cache(self.cfg.wake_timeout)
+        except ReplicaError as e:
+            log.error("turn %d: waking the KV cache after the load failed: %s", n, e)
+            cur.replica_failed = str(e)
+            self.signal()
+            return
+        log.info("turn %d: woke the KV cache in %.3f s (prefix cache reset)", n,
+                 time.monotonic() - t0)  # fmt: skip
+        self.events.publish("woke", turn=n, duration_s=round(time.monotonic() - t0, 6),
+                            tags=["kv_cache"])  # fmt: skip
 
     def _load_end(self, n: int, revision: str, t0: float, error: str | None) -> None:
         took = round(time.monotonic() - t0, 6)

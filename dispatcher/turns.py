@@ -21,9 +21,15 @@ A turn, while anything is pending (each phase is logged with its duration)::
     GET /weight_info  when a revision is loaded   another label: not the replica we
                                                   loaded (restarted), so recover
     recover()  on first sight / after a broken load or a replica error
-    wake()     <= wake_timeout
+    GET /is_sleeping  after a lazy release        still awake: no wake (wakes_skipped);
+                                                  asleep: GET /metrics says which level
+                                                  someone else slept it at
+    wake()     <= wake_timeout                    after a level-2 sleep: wake_weights()
+                                                  only (/wake_up?tags=weights)
     loop:  revision = core.next_revision(...)     prefer the loaded one (no reload)
            load(revision) as a whole              <= load_timeout, only with no send in flight
+                                                  (after wake_weights: then
+                                                  /wake_up?tags=kv_cache, /reset_prefix_cache)
            send pending requests of it            <= concurrency at once, each bounded by
                                                      its deadline, committed by result_ok
                                                      (--weight-check label: after one
@@ -31,7 +37,11 @@ A turn, while anything is pending (each phase is logged with its duration)::
            until nothing is pending, or WAITING was seen and turn_seconds passed since
            serving began, or the replica failed
     grace      sends in flight get turn_grace, then are cancelled (they stay pending)
-    sleep(level=1, mode=abort)                    <= sleep_timeout, shielded
+    sleep(level=L, mode=abort)                    <= sleep_timeout, shielded; L from
+                                                  --sleep-level (core.sleep_level); a
+                                                  level-2 wake cut short first wakes its
+                                                  KV cache, so the sleep is no no-op
+                                                  (skipped by a lazy release, below)
     RELEASE                                       shielded, bounded
 
 The serving part of a turn (load, send, commit, grace) is :class:`~dispatcher.serve.Serving`;
@@ -40,6 +50,27 @@ of either goes through :meth:`TurnLoop._enter`, which checks :mod:`dispatcher.mo
 table and publishes the change (``GET /v1/events``), as are the turn's steps. On the way
 out of a turn (sleeping, releasing, idle) a change the table misses is logged, published
 as ``transition_error`` and taken anyway: the sleep and RELEASE always happen.
+
+Sleep levels (``--sleep-level auto|1|2``, :func:`~dispatcher.core.sleep_level`): level 1
+copies the weights to host RAM and back, level 2 drops them, which wins when the next
+wake loads other weights anyway; auto picks 2 exactly then (a newer revision published
+that unpinned work takes, or pending requests that want only other revisions, or no
+known weights loaded). After a level-2 sleep nothing is sent before a whole load: the
+next turn wakes the weights, loads, wakes the KV cache and resets the prefix cache
+(:mod:`dispatcher.vllm`); a failed load ends the turn with another level-2 sleep, the
+requests still pending. ``/status`` counts ``sleeps_level1`` and ``sleeps_level2``; the
+``slept`` event says ``level``.
+
+Lazy sleep (``--lazy-sleep``, :meth:`TurnLoop._lazy`): a turn that ran out of work
+(``idle``) without seeing WAITING, with a healthy, fully awake replica, RELEASEs without
+the sleep ("left awake (nobody waiting)", ``released`` with ``lazy: true``,
+``lazy_releases``). Should another workload ask for the GPU, slicerd parks the idle
+replica by the registrant-side park (PARK to the launcher, which sleeps it; verified;
+cuda-checkpoint as the fallback; bounded by ``registrant_park_timeout``). The next turn
+therefore reads ``GET /is_sleeping`` first: awake, the wake is skipped; asleep,
+``GET /metrics`` (:meth:`Replica.sleep_state <dispatcher.vllm.Replica.sleep_state>`)
+says what the other sleep left: level 1 (or a pause) a plain wake of the kept weights,
+anything else the level-2 order with a whole load.
 
 The end of a turn (sleep, then RELEASE) runs shielded from cancellation, so SIGTERM
 during a turn still puts vLLM to sleep and hands the GPU back before the process exits.
@@ -73,6 +104,7 @@ turns are retried with the backoff above.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -83,6 +115,7 @@ import trio
 
 from gpu_slicer import proto
 from gpu_slicer.dispatcher.checkpoint import check_checkpoint_dir, check_path_text
+from gpu_slicer.dispatcher.core import sleep_level
 from gpu_slicer.dispatcher.errors import (
     BadRequest,
     DispatchError,
@@ -118,7 +151,7 @@ from gpu_slicer.dispatcher.probe import probe
 from gpu_slicer.dispatcher.recovery import Recovery
 from gpu_slicer.dispatcher.serve import Serving
 from gpu_slicer.dispatcher.store import Staged, Store, check_revision_name
-from gpu_slicer.dispatcher.vllm import Replica
+from gpu_slicer.dispatcher.vllm import CONTROL_TIMEOUT_S, Replica
 from gpu_slicer.slicer.client import AsyncSlicer, ClientError, socket_path
 
 if TYPE_CHECKING:  # pool mode's modules (coredis) load only when a pool is used
@@ -131,6 +164,7 @@ log = logging.getLogger("dispatcher.turns")
 RELEASE_TIMEOUT_S = 30.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 5.0
 STORE_BACKOFF_MAX_S = 30.0  # after a turn that a store failure ended
+CHANGING_TURNS = 2  # turns in a row that each loaded another revision: "changing" (auto)
 
 
 def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:
@@ -176,6 +210,8 @@ class TurnLoop:
         self.replica = replica
         self.cfg = cfg
         self.counters = Counters()
+        # The revision loaded at each of the last turn ends (sleep level auto's "changing").
+        self._loaded_at_end: list[str | None] = []
         self.events = events or EventStream()
         self.phase = Phase.IDLE
         self.turn: int | None = None
@@ -372,6 +408,8 @@ class TurnLoop:
             "workload": self.cfg.workload,
             "replica": self.replica.base_url,
             "weight_check": self.cfg.weight_check,
+            "sleep_level": self.cfg.sleep_level,
+            "lazy_sleep": self.cfg.lazy_sleep,
             "loaded_revision": self.replica.known_version,
             "newest_revision": newest.name if newest else None,
             "state": self.phase.value,
@@ -532,7 +570,8 @@ class TurnLoop:
         self.health.ok(Check.DAEMON)
         self.health.ok(Check.WORKLOAD)
         cur = TurnState(turn)
-        if any(isinstance(m, proto.Waiting) and m.turn == turn.turn for m in slicer.events):
+        early = [m for m in slicer.events if isinstance(m, proto.Waiting) and m.turn == turn.turn]
+        if early:
             cur.waiting_seen_at = trio.current_time()
         slicer.events.clear()
         self._current, self.turn = cur, turn.turn
@@ -541,6 +580,9 @@ class TurnLoop:
                  time.monotonic() - t0, turn.restored)  # fmt: skip
         self.events.publish("granted", turn=turn.turn, wait_s=_since(t0),
                             restored=turn.restored)  # fmt: skip
+        if early:  # told with the grant: the turn's end window opens now
+            log.info("turn %d: WAITING (%d waiter(s))", turn.turn, early[0].waiters)
+            self.events.publish("waiting", turn=turn.turn, waiters=early[0].waiters)
         reason = "error"
         try:
             async with trio.open_nursery() as nursery:
@@ -578,19 +620,116 @@ class TurnLoop:
                 self.events.publish("recovered", turn=n, duration_s=_since(t0))
             self._enter(Phase.WAKING)
             t0 = time.monotonic()
-            await self.replica.wake(self.cfg.wake_timeout)
+            if self.replica.awake and await self._still_awake(n):
+                self.health.ok(Check.REPLICA)
+                return
+            dropped = self.replica.dropped
+            if dropped:
+                # Level 2 dropped the weights: wake only them; the load (Serving) comes
+                # next, and only then the KV cache; nothing is sent before (the load
+                # sets known_version).
+                await self.replica.wake_weights(self.cfg.wake_timeout)
+            else:
+                await self.replica.wake(self.cfg.wake_timeout)
         except ReplicaError as e:
             self.health.fail(Check.REPLICA, replica_unhealthy(self.replica.base_url, e))
             raise
         self.health.ok(Check.REPLICA)
-        log.info("turn %d: woke in %.3f s", n, time.monotonic() - t0)
-        self.events.publish("woke", turn=n, duration_s=_since(t0))
+        if dropped:
+            log.info("turn %d: woke the weights in %.3f s (after sleep level 2: load, then "
+                     "the KV cache)", n, time.monotonic() - t0)  # fmt: skip
+            self.events.publish("woke", turn=n, duration_s=_since(t0), tags=["weights"])
+        else:
+            log.info("turn %d: woke in %.3f s", n, time.monotonic() - t0)
+            self.events.publish("woke", turn=n, duration_s=_since(t0), tags=None)
+
+    async def _still_awake(self, n: int) -> bool:
+        """After a lazy release (we left the replica awake): is it still? One bounded
+        ``GET /is_sleeping`` (a failure raises, as a failed wake does). Awake: the wake is
+        skipped (True). Asleep: someone else slept it (slicerd asked its launcher to park
+        it); ``GET /metrics`` says at which level, and :meth:`Replica.slept_by_other
+        <dispatcher.vllm.Replica.slept_by_other>` records whether the weights survived
+        (False: wake as after our own sleep)."""
+        t0 = time.monotonic()
+        if not await self.replica.is_sleeping(min(self.cfg.wake_timeout, CONTROL_TIMEOUT_S)):
+            self.counters.wakes_skipped += 1
+            log.info("turn %d: the replica is still awake (left awake at the last turn's "
+                     "end): no wake", n)  # fmt: skip
+            self.events.publish("woke", turn=n, duration_s=_since(t0), tags=None, skipped=True)
+            return True
+        state = await self.replica.sleep_state(min(self.cfg.wake_timeout, CONTROL_TIMEOUT_S))
+        self.replica.slept_by_other(state)
+        kept = "weights kept" if not self.replica.dropped else "weights count as dropped"
+        log.info("turn %d: the replica was slept by someone else meanwhile (sleep state %s: "
+                 "%s)", n, state, kept)  # fmt: skip
+        return False
 
     # -- ending a turn ---------------------------------------------------------------
 
+    def _sleep_level(self) -> int:
+        """The sleep level of this turn's end (:func:`core.sleep_level
+        <dispatcher.core.sleep_level>` over the revisions pending requests want: this
+        store's, and in pool mode also what the last poll saw claimable in the pool)."""
+        mode, loaded = self.cfg.sleep_level, self.replica.known_version
+        if mode != "auto":
+            return sleep_level(mode, loaded, (), None)
+        try:
+            wanted = set(self.store.pending_revisions())
+            if self.pool is not None:
+                wanted |= {
+                    rev for rev, f in self.pool.store.summary.revisions.items()
+                    if f.get("unclaimed", 0) + f.get("reclaimable", 0) > 0
+                }  # fmt: skip
+            newest = self.store.newest()
+        except Exception as e:  # the sleep must happen whatever the store says
+            # What is wanted is unknown: keep what is loaded (level 1), as before auto.
+            log.warning("sleep level: pending revisions unknown (%s); level by the weights", e)
+            return sleep_level(mode, loaded, (), None)
+        # Each of the last CHANGING_TURNS turns loaded a revision other than the one
+        # before: the weights change every step, the next wake will load new ones.
+        recent = [*self._loaded_at_end[-CHANGING_TURNS:], loaded]
+        changing = len(recent) > CHANGING_TURNS and all(
+            a is not None and a != b for a, b in itertools.pairwise(recent)
+        )
+        return sleep_level(mode, loaded, wanted, newest.name if newest else None, changing)
+
+    async def _finish_wake(self, n: int) -> None:
+        """Wake the KV cache of a level-2 wake that ended before its load finished (it
+        failed, or nothing was left to serve), so the sleep that follows is one: vLLM
+        counts as sleeping until fully awake, and a ``/sleep`` then is a no-op that would
+        leave the woken weights on the GPU. Nothing is sent in between (known_version is
+        None, and the dispatcher owns admission)."""
+        t0 = time.monotonic()
+        try:
+            await self.replica.wake_kv_cache(self.cfg.wake_timeout)
+        except ReplicaError as e:
+            log.error("turn %d: waking the KV cache before the sleep failed: %s", n, e)
+            return
+        log.info("turn %d: woke the KV cache in %.3f s (to sleep the unloaded weights)", n,
+                 time.monotonic() - t0)  # fmt: skip
+
+    def _lazy(self, cur: TurnState, reason: str) -> bool:
+        """Whether this turn ends with a lazy release (vLLM left awake): ``--lazy-sleep``,
+        the turn ran out of work (``idle``) and saw no WAITING (nobody else asked for the
+        GPU), and the replica is healthy: no replica error or broken load, no recovery
+        due, fully awake with whole weights this client loaded. Anything else sleeps."""
+        r = self.replica
+        # --lazy-sleep-always: also when another waits (slicerd then freezes the awake
+        # replica where fit-aware turns let it, else has its launcher sleep it).
+        unasked = reason == "idle" and cur.waiting_seen_at is None
+        anyway = self.cfg.lazy_always and reason in ("idle", "waiting")
+        return (
+            self.cfg.lazy_sleep and (unasked or anyway)
+            and cur.replica_failed is None and not cur.load_broke and not self.recovery.needed
+            and r.awake and not r.kv_asleep and not r.dropped and r.known_version is not None
+        )  # fmt: skip
+
     async def _end_turn(self, slicer: AsyncSlicer, cur: TurnState, reason: str) -> None:
-        """Sleep the replica, then RELEASE (runs shielded; every step bounded)."""
+        """Sleep the replica (unless :meth:`_lazy`), then RELEASE (runs shielded; every
+        step bounded)."""
         n = cur.turn.turn
+        level = self._sleep_level()  # before the claims go back: they are what it wants
+        self._loaded_at_end = [*self._loaded_at_end[-CHANGING_TURNS:], self.replica.known_version]
         if self.pool is not None:
             await self.pool.turn_ended()  # others may serve them while this one sleeps
         if reason == "replica-error" or cur.load_broke:
@@ -598,15 +737,15 @@ class TurnLoop:
         if not self.recovery.told(cur) and cur.replica_failed:
             url = self.replica.base_url
             self.health.fail(Check.REPLICA, replica_unhealthy(url, cur.replica_failed))
-        self._enter_ending(Phase.SLEEPING)
-        t0 = time.monotonic()
-        try:
-            await self.replica.sleep(level=1, mode="abort", timeout=self.cfg.sleep_timeout)
-            log.info("turn %d: slept the replica in %.3f s", n, time.monotonic() - t0)
-            self.events.publish("slept", turn=n, duration_s=_since(t0), ok=True)
-        except ReplicaError as e:
-            log.error("turn %d: sleep failed: %s", n, e)
-            self.events.publish("slept", turn=n, duration_s=_since(t0), ok=False, error=str(e))
+        lazy = self._lazy(cur, reason)
+        if lazy:
+            # Nobody else wants the GPU: the next turn finds vLLM awake and loaded. If
+            # another workload asks meanwhile, slicerd parks it: PARK to the launcher,
+            # which sleeps it; verified; cuda-checkpoint as the fallback.
+            self.counters.lazy_releases += 1
+            log.info("turn %d: left awake (nobody waiting)", n)
+        else:
+            await self._sleep(n, level)
         self._enter_ending(Phase.RELEASING)
         released: str | None = "the slicerd connection broke during the turn"
         if self._slicer is slicer:
@@ -620,6 +759,28 @@ class TurnLoop:
                 released = f"RELEASE failed: {e}"
                 await self._drop_connection()
         extra = {} if released is None else {"error": released}
-        self.events.publish("released", turn=n, reason=reason, ok=released is None, **extra)
+        self.events.publish("released", turn=n, reason=reason, ok=released is None, lazy=lazy,
+                            **extra)  # fmt: skip
         self._current, self.turn = None, None
         self._enter_ending(Phase.IDLE)
+
+    async def _sleep(self, n: int, level: int) -> None:
+        """The sleep at a turn's end, at ``level`` (a failure is logged and published;
+        the RELEASE follows all the same)."""
+        self._enter_ending(Phase.SLEEPING)
+        t0 = time.monotonic()
+        try:
+            if self.replica.kv_asleep:
+                await self._finish_wake(n)
+            await self.replica.sleep(level=level, mode="abort", timeout=self.cfg.sleep_timeout)
+            log.info("turn %d: slept the replica (level %d) in %.3f s", n, level,
+                     time.monotonic() - t0)  # fmt: skip
+            if level == 2:
+                self.counters.sleeps_level2 += 1
+            else:
+                self.counters.sleeps_level1 += 1
+            self.events.publish("slept", turn=n, duration_s=_since(t0), ok=True, level=level)
+        except ReplicaError as e:
+            log.error("turn %d: sleep (level %d) failed: %s", n, level, e)
+            self.events.publish("slept", turn=n, duration_s=_since(t0), ok=False, level=level,
+                                error=str(e))  # fmt: skip

@@ -25,11 +25,29 @@ a broken reload can leave the old label on half-new weights. A replica restarted
 same URL (its launcher restarted) serves its boot weights under ``"default"``: the turn
 loop reads ``/weight_info`` at each wake and the health probe between turns, and
 :meth:`Replica.forget` drops ``known_version`` when the label is not the one loaded.
+
+``dropped`` says a level-2 sleep of this client discarded the weights and no load has
+put real ones back since: the next wake must be the level-2 order (ANCHORS.md, vLLM's
+sleep-mode docs): :meth:`Replica.wake_weights` (``/wake_up?tags=weights``), a whole
+:meth:`Replica.load`, then :meth:`Replica.wake_kv_cache` (``/wake_up?tags=kv_cache``,
+``/reset_prefix_cache``). Without the load vLLM serves garbage from the re-allocated
+weights. ``kv_asleep`` is true between the first and the last step: vLLM still counts
+as sleeping then, so a ``/sleep`` is a no-op that would leave the woken weights on the
+GPU (the turn loop finishes the wake first). Neither is touched by :meth:`recover` or
+:meth:`forget`: a restarted replica is woken in the same order, which suits any state.
+
+``awake`` says this client last left the replica fully awake (a lazy release: nobody
+else wanted the GPU, so the turn ended without a sleep). Someone else may have slept it
+since (slicerd asked the launcher to park it): the next turn reads ``GET /is_sleeping``
+and, if asleep, :meth:`Replica.sleep_state` (``GET /metrics``), and
+:meth:`Replica.slept_by_other` records what that sleep left: level 1 kept the weights,
+anything else (level 2, an unreadable state) counts as :attr:`dropped`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -38,11 +56,12 @@ import trio
 from gpu_slicer.dispatcher import wire
 from gpu_slicer.dispatcher.errors import ReplicaError
 
-__all__ = ["CONTROL_TIMEOUT_S", "Replica"]
+__all__ = ["CONTROL_TIMEOUT_S", "Replica", "parse_sleep_state"]
 
 CONTROL_TIMEOUT_S = 30.0
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 _SLEEP_MODES = ("abort", "wait", "keep")
+_SLEEP_STATE = re.compile(r'sleep_state="([a-z_]+)"[^}]*\}\s+(\S+)')
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -65,6 +84,31 @@ def _error_text(raw: bytes, reason: str) -> str:
     return json.dumps(data)[:500]
 
 
+def parse_sleep_state(text: str) -> str | None:
+    """The ``sleep_state`` label whose ``vllm:engine_sleep_state`` sample is 1 in a
+    Prometheus text (``awake``, ``weights_offloaded``, ``discard_all``); ``"paused"`` when
+    every sample is 0 (a pause, or a level-0 sleep: memory untouched); None when the
+    metric is missing or says two things at once. Matched by name and label, never by
+    the whole line (other labels, such as ``engine`` and ``model_name``, vary)."""
+    states: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:engine_sleep_state{"):
+            continue
+        m = _SLEEP_STATE.search(line)
+        if m is None:
+            continue
+        try:
+            states[m[1]] = float(m[2])
+        except ValueError:
+            return None
+    if not states:
+        return None
+    on = [k for k, v in states.items() if v == 1.0]
+    if len(on) > 1:
+        return None
+    return on[0] if on else "paused"
+
+
 def _clean(text: str) -> str:
     # A JSON "\ud800" escape parses into a lone surrogate that no UTF-8 encoder (SQLite's
     # included) accepts; the text is stored and served, so make it encodable.
@@ -84,6 +128,9 @@ class Replica:
         self.base_url = base_url.rstrip("/")
         self.epoch = 0
         self.known_version: str | None = None
+        self.dropped = False  # our level-2 sleep discarded the weights; none loaded since
+        self.kv_asleep = False  # woken by wake_weights, wake_kv_cache not yet sent
+        self.awake = False  # we left it fully awake (a lazy release); unknown: False
         self._wire = (
             None if transport is not None
             else wire.Pool.from_url(self.base_url, connect_timeout=connect_timeout)
@@ -211,6 +258,41 @@ class Replica:
         data = await self._json("POST", "/wake_up", timeout)
         if data.get("status", "awake") != "awake":
             raise ReplicaError(f"POST {self.base_url}/wake_up: still {data.get('status')!r}")
+        self.kv_asleep = False
+        self.awake = True
+
+    async def wake_weights(self, timeout: float = 300) -> None:
+        """The first step of a level-2 wake: ``POST /wake_up?tags=weights``. vLLM
+        re-allocates the weights (garbage until a :meth:`load`) and stays asleep,
+        scheduling included, until :meth:`wake_kv_cache`."""
+        data = await self._json("POST", "/wake_up", timeout, params={"tags": "weights"})
+        status = data.get("status")
+        if status not in ("sleeping", "awake"):
+            raise ReplicaError(f"POST {self.base_url}/wake_up?tags=weights: {status!r}")
+        self.kv_asleep = status == "sleeping"
+        self.awake = status == "awake"
+
+    async def wake_kv_cache(self, timeout: float = 300) -> None:
+        """The last step of a level-2 wake, after the load: ``POST
+        /wake_up?tags=kv_cache`` (vLLM is then awake and schedules again), then ``POST
+        /reset_prefix_cache``. On a failure the weights count as unknown again (and
+        :attr:`dropped`): the next turn wakes in the level-2 order and loads whole."""
+        try:
+            data = await self._json("POST", "/wake_up", timeout, params={"tags": "kv_cache"})
+            if data.get("status", "awake") != "awake":
+                raise ReplicaError(
+                    f"POST {self.base_url}/wake_up?tags=kv_cache: still {data.get('status')!r}"
+                )
+            self.kv_asleep = False
+            self.awake = True
+            reset = await self._json("POST", "/reset_prefix_cache", timeout)
+            if reset.get("success") is False:
+                raise ReplicaError(f"POST {self.base_url}/reset_prefix_cache: not reset")
+        except ReplicaError:
+            self.epoch += 1
+            self.known_version = None
+            self.dropped = True
+            raise
 
     async def sleep(self, level: int = 1, mode: str = "abort", timeout: float = 300) -> None:
         """``POST /sleep?level=&mode=``; bumps the epoch first (requests in flight die)."""
@@ -219,11 +301,36 @@ class Replica:
         self.epoch += 1
         if level == 2:
             self.known_version = None  # level 2 drops the weights
+            self.dropped = True
+        self.kv_asleep = False
+        self.awake = False
         await self._json("POST", "/sleep", timeout, params={"level": level, "mode": mode})
 
     async def is_sleeping(self, timeout: float = CONTROL_TIMEOUT_S) -> bool:
         """``GET /is_sleeping`` (also true while paused)."""
         return bool(await self._field("GET", "/is_sleeping", "is_sleeping", bool, timeout))
+
+    async def sleep_state(self, timeout: float = CONTROL_TIMEOUT_S) -> str | None:
+        """What ``GET /metrics`` says of the engine's sleep (:func:`parse_sleep_state`):
+        ``awake``, ``weights_offloaded`` (level 1), ``discard_all`` (level 2), ``paused``,
+        or None when it cannot be read (no answer, no such metric)."""
+        try:
+            resp = await self._call("GET", "/metrics", timeout)
+        except ReplicaError:
+            return None
+        return parse_sleep_state(resp.content.decode("utf-8", "replace"))
+
+    def slept_by_other(self, state: str | None) -> None:
+        """Record that someone else slept the replica (found asleep after we left it
+        awake) in ``state`` (:meth:`sleep_state`): level 1 (``weights_offloaded``) or a
+        pause kept the weights, so a plain wake serves them; anything else (level 2,
+        unreadable) counts as :attr:`dropped`, so the next wake goes in the level-2 order
+        and loads whole before anything is sent."""
+        self.epoch += 1  # requests of before the sleep are dead
+        self.awake = False
+        if state not in ("weights_offloaded", "paused"):
+            self.known_version = None
+            self.dropped = True
 
     async def is_paused(self, timeout: float = CONTROL_TIMEOUT_S) -> bool:
         """``GET /is_paused`` (also true while asleep)."""
@@ -276,6 +383,7 @@ class Replica:
                 f"load of revision {revision} on {self.base_url}: /weight_info says {got!r}"
             )
         self.known_version = revision
+        self.dropped = False
 
     async def finish_open_update(self, timeout: float = CONTROL_TIMEOUT_S) -> bool:
         """ONE bare ``POST /finish_weight_update``: True if it closed an open update,

@@ -38,6 +38,8 @@ class LaunchConfig:
     parked_max: int = 0
     # Cooperative workloads: what slicerd may do when nobody parks it (see PROTOCOL.md).
     park_fallback: str = "none"
+    # Opt-in preemption (REGISTER max_turn=, park=checkpoint only); None: never.
+    max_turn: float | None = None
     socket: str | None = None
     kill_grace: float = 5.0
     connect_timeout: float = 30.0  # how long the first REGISTER may keep retrying

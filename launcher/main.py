@@ -1,7 +1,11 @@
 """`slicer-launch`: register a workload with slicerd and supervise its processes.
 
-    slicer-launch run  --workload trainer -- python train.py
+    slicer-launch run  --workload trainer [--max-turn S] -- python train.py
     slicer-launch vllm --workload sampler --ready-file /run/ready -- vllm serve MODEL
+
+``run --max-turn S`` registers with ``max_turn=S`` (opt-in preemption, ``--park
+checkpoint`` only): a turn held longer than S seconds while another workload waits is
+taken back by slicerd (``PREEMPTED``; README, "Protocol").
 
 Exit codes (every one but the child's own comes with one ``slicer-launch: error: ...``
 line on stderr, never a traceback):
@@ -92,12 +96,14 @@ def _common(
                 ),
                 click.option(
                     "--park-fallback",
-                    type=click.Choice(["checkpoint", "none"]),
+                    type=click.Choice(["checkpoint", "residue", "none"]),
                     default=fallback,
                     show_default=True,
                     help="cooperative park: if nobody parks the workload (its dispatcher "
                     "died mid-turn), slicerd may cuda-checkpoint it (checkpoint) or "
-                    "FAULT it (none)",
+                    "FAULT it (none); residue: as checkpoint, and after every park also "
+                    "checkpoint what the slept workload left on the GPU (restored before "
+                    "its next turn, so before its wake)",
                 ),
                 click.option(
                     "--parked-max",
@@ -167,8 +173,19 @@ def main() -> None:
 
 @main.command(context_settings={"ignore_unknown_options": True})
 @_common("checkpoint", "0")
+@click.option(
+    "--max-turn",
+    type=SECONDS,
+    help="opt into preemption: a turn held longer than this while another workload waits "
+    "is taken back (PREEMPTED) and the workload parked by checkpoint (--park checkpoint only)",
+)
 def run(**kw: Any) -> None:
     """Run COMMAND as workload NAME for its whole life (exit: the child's code)."""
+    if kw.get("max_turn") is not None and kw["park"] != "checkpoint":
+        raise click.UsageError("--max-turn needs --park checkpoint (a cooperative workload "
+                               "parks itself: it gets WAITING hints only)")  # fmt: skip
+    if kw.get("max_turn") is not None and not 0 < kw["max_turn"] <= 86400:
+        raise click.UsageError("--max-turn must be in (0, 86400] seconds")
     _launch(kw, Profile())
 
 

@@ -76,6 +76,8 @@ class Registration:
         }
         if self.cfg.gpu is not None:
             kw["gpu"] = self.cfg.gpu
+        if self.cfg.max_turn is not None:
+            kw["max_turn"] = self.cfg.max_turn
         return kw
 
     async def _attempt(self) -> AsyncSlicer:

@@ -24,6 +24,7 @@ from gpu_slicer.proto.messages import (
     ParkFallback,
     ParkMode,
     Ping,
+    Preempted,
     Register,
     Release,
     ReleasePark,
@@ -41,6 +42,7 @@ from gpu_slicer.proto.session import Call, ClientSession, Turn
 from gpu_slicer.proto.values import (
     MAX_LINE,
     MAX_SERVER_LINE,
+    MAX_TURN_LIMIT,
     NAME_RE,
     PARKED_MAX_LIMIT,
     PROTO_VERSION,
@@ -52,6 +54,7 @@ from gpu_slicer.proto.values import (
 __all__ = [
     "MAX_LINE",
     "MAX_SERVER_LINE",
+    "MAX_TURN_LIMIT",
     "NAME_RE",
     "PARKED_MAX_LIMIT",
     "PROTO_VERSION",
@@ -73,6 +76,7 @@ __all__ = [
     "ParkMode",
     "Parked",
     "Ping",
+    "Preempted",
     "ProtocolError",
     "Register",
     "Release",

@@ -13,6 +13,7 @@ from gpu_slicer.proto.messages import (
     ParkAsk,
     Parked,
     Ping,
+    Preempted,
     Register,
     Release,
     Request,
@@ -28,7 +29,7 @@ from gpu_slicer.proto.requests import encode_request
 __all__ = ["encode"]
 
 _REQUESTS = (Hello, Ping, Register, Acquire, Release, Parked, Unregister, Status, Watch)
-_SERVER = (Ok, Err, Fault, Waiting, ParkAsk, Event)
+_SERVER = (Ok, Err, Fault, Waiting, Preempted, ParkAsk, Event)
 
 
 def encode(msg: Request | ServerMessage) -> bytes:

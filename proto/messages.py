@@ -51,10 +51,13 @@ class ParkMode(enum.StrEnum):
 
 
 class ParkFallback(enum.StrEnum):
-    """What the slicer may do when a cooperative workload cannot park itself."""
+    """What the slicer may do when a cooperative workload cannot park itself; `residue`
+    also checkpoints what every cooperative park leaves on the GPU (a slept vLLM's CUDA
+    context and graphs), after the park and before anyone else is granted."""
 
     NONE = "none"
     CHECKPOINT = "checkpoint"
+    RESIDUE = "residue"
 
 
 class ReleasePark(enum.StrEnum):
@@ -83,7 +86,9 @@ class Ping:
 @dataclass(frozen=True, slots=True)
 class Register:
     """``REGISTER <workload> [gpu=] [pid=] [tree=1|0] [park=] [parked_max=] [fallback=]
-    [ask=1|0]``; `ask`: the registrant answers ``PARK`` events (it can park the workload)."""
+    [ask=1|0] [max_turn=S]``; `ask`: the registrant answers ``PARK`` events (it can park
+    the workload); `max_turn`: a turn held longer than S seconds while another workload
+    waits is taken back (``park=checkpoint`` only; see `Preempted`)."""
 
     workload: str
     gpu: str | None = None
@@ -93,6 +98,7 @@ class Register:
     parked_max: int = 0
     fallback: ParkFallback = ParkFallback.NONE
     ask: bool = False
+    max_turn: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +198,16 @@ class Waiting:
 
 
 @dataclass(frozen=True, slots=True)
+class Preempted:
+    """``PREEMPTED <workload> turn=T``: to the holder: turn T was taken back (it was held
+    past the workload's ``max_turn`` while another workload waited); the slicer parks the
+    workload by checkpoint, and its next ACQUIRE restores it."""
+
+    workload: str
+    turn: int
+
+
+@dataclass(frozen=True, slots=True)
 class ParkAsk:
     """``PARK <workload> turn=T [timeout_ms=N]``: to the registrant: park your workload
     yourself now (its holder is gone) and answer ``PARKED`` within `timeout_ms`; `turn`
@@ -210,4 +226,4 @@ class Event:
 
 
 Reply: TypeAlias = Ok | Err
-ServerMessage: TypeAlias = Ok | Err | Fault | Waiting | ParkAsk | Event
+ServerMessage: TypeAlias = Ok | Err | Fault | Waiting | Preempted | ParkAsk | Event

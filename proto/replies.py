@@ -14,7 +14,16 @@ from typing import Any, NoReturn
 
 from gpu_slicer.proto.errors import ErrorCode, LineTooLong, ProtocolError
 from gpu_slicer.proto.framing import decode_line, split_args, split_tail
-from gpu_slicer.proto.messages import Err, Event, Fault, Ok, ParkAsk, ServerMessage, Waiting
+from gpu_slicer.proto.messages import (
+    Err,
+    Event,
+    Fault,
+    Ok,
+    ParkAsk,
+    Preempted,
+    ServerMessage,
+    Waiting,
+)
 from gpu_slicer.proto.values import (
     CODE_RE,
     INT_MAX,
@@ -28,7 +37,7 @@ from gpu_slicer.proto.values import (
 
 __all__ = ["encode_server_message", "parse_server_line"]
 
-_SERVER_VERBS = ("OK", "ERR", "FAULT", "WAITING", "PARK", "EVENT")
+_SERVER_VERBS = ("OK", "ERR", "FAULT", "WAITING", "PREEMPTED", "PARK", "EVENT")
 
 
 def parse_server_line(line: bytes) -> ServerMessage:
@@ -50,7 +59,7 @@ def parse_server_line(line: bytes) -> ServerMessage:
             _bad("EVENT: body must be a JSON object")
         return Event(body)
     head, tail = split_tail(rest)
-    if verb in ("WAITING", "PARK") and tail is not None:
+    if verb in ("WAITING", "PREEMPTED", "PARK") and tail is not None:
         _bad(f"{verb}: takes no ' -- ' text")
     positionals, pairs = split_args(verb, head)
     if verb == "ERR":
@@ -69,6 +78,9 @@ def parse_server_line(line: bytes) -> ServerMessage:
             parse_int(verb, "timeout_ms", pairs["timeout_ms"], 0) if "timeout_ms" in pairs else None
         )
         return ParkAsk(workload, turn=turn, timeout_ms=ms)
+    if verb == "PREEMPTED":
+        _known_keys(verb, pairs, ("turn",))
+        return Preempted(workload, turn=parse_int(verb, "turn", _required(verb, pairs, "turn"), 1))
     _known_keys(verb, pairs, ("turn", "waiters"))
     turn = parse_int(verb, "turn", _required(verb, pairs, "turn"), 1)
     waiters = parse_int(verb, "waiters", _required(verb, pairs, "waiters"), 0)
@@ -173,6 +185,13 @@ def encode_server_message(msg: ServerMessage) -> bytes:
                 f"waiters={check_int('WAITING', 'waiters', waiters, 0, INT_MAX)}",
             ]
             return _finish("WAITING", words, MAX_LINE)
+        case Preempted(workload=workload, turn=turn):
+            words = [
+                "PREEMPTED",
+                _one_name("PREEMPTED", [workload]),
+                f"turn={check_int('PREEMPTED', 'turn', turn, 1)}",
+            ]
+            return _finish("PREEMPTED", words, MAX_LINE)
         case ParkAsk(workload=workload, turn=turn, timeout_ms=ms):
             words = [
                 "PARK",

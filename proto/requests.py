@@ -34,6 +34,7 @@ from gpu_slicer.proto.values import (
     CLIENT_RE,
     GPU_RE,
     MAX_LINE,
+    MAX_TURN_LIMIT,
     PARKED_MAX_LIMIT,
     PID_MAX,
     PROTO_VERSION,
@@ -61,7 +62,9 @@ class _Verb:
 _VERBS: dict[str, _Verb] = {
     "HELLO": _Verb(False, ("proto", "client")),
     "PING": _Verb(False),
-    "REGISTER": _Verb(True, ("gpu", "pid", "tree", "park", "parked_max", "fallback", "ask")),
+    "REGISTER": _Verb(
+        True, ("gpu", "pid", "tree", "park", "parked_max", "fallback", "ask", "max_turn")
+    ),
     "ACQUIRE": _Verb(True, ("wait",)),
     "RELEASE": _Verb(True, ("turn", "park"), required=("turn",)),
     "PARKED": _Verb(True, ("turn", "ok"), required=("turn",)),
@@ -155,6 +158,9 @@ def _register(workload: str, pairs: dict[str, str]) -> Register:
         parse_choice("REGISTER", "fallback", pairs.get("fallback", "none"), tuple(ParkFallback))
     )
     ask = parse_choice("REGISTER", "ask", pairs.get("ask", "0"), ("1", "0")) == "1"
+    max_turn = None
+    if "max_turn" in pairs:
+        max_turn = _max_turn(parse_seconds("REGISTER", "max_turn", pairs["max_turn"]), park)
     return Register(
         workload,
         gpu=gpu,
@@ -164,7 +170,24 @@ def _register(workload: str, pairs: dict[str, str]) -> Register:
         parked_max=parked_max,
         fallback=fallback,
         ask=ask,
+        max_turn=max_turn,
     )
+
+
+def _max_turn(value: float, park: str) -> float:
+    if not 0 < value <= MAX_TURN_LIMIT:
+        raise ProtocolError(
+            ErrorCode.BAD_ARGUMENT,
+            f"REGISTER: max_turn must be in (0, {MAX_TURN_LIMIT:g}] seconds, got {value:g}",
+        )
+    if park != ParkMode.CHECKPOINT:
+        # Only the slicer's own park can take a turn back; a cooperative workload parks
+        # itself, so it gets WAITING hints only.
+        raise ProtocolError(
+            ErrorCode.BAD_ARGUMENT,
+            f"REGISTER: max_turn needs park=checkpoint (park={park} gets WAITING hints only)",
+        )
+    return value
 
 
 def _acquire(workload: str, pairs: dict[str, str]) -> Acquire:
@@ -278,4 +301,7 @@ def _encode_register(msg: Register) -> list[str]:
         )
     if msg.ask:
         words.append("ask=1")
+    if msg.max_turn is not None:
+        value = _max_turn(float(check_seconds("REGISTER", "max_turn", msg.max_turn)), park)
+        words.append(f"max_turn={value!r}")
     return words

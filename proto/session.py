@@ -72,6 +72,7 @@ from gpu_slicer.proto.messages import (
     ParkFallback,
     ParkMode,
     Ping,
+    Preempted,
     Register,
     Release,
     ReleasePark,
@@ -89,6 +90,7 @@ __all__ = ["Call", "ClientSession", "Turn"]
 
 T = TypeVar("T")
 Failure = Callable[[], Exception]
+MAX_PREEMPTED = 1024  # PREEMPTED turns a session remembers (ClientSession.preempted)
 _VERB = re.compile(rb"[A-Z][A-Z0-9_]{0,63}")
 
 
@@ -206,6 +208,9 @@ class ClientSession:
         self.events: deque[ServerMessage] = deque()
         self.on_event: Callable[[ServerMessage], None] | None = None
         self.skipped = 0
+        # (workload, turn) of every PREEMPTED seen (the events may have been taken): a
+        # release of such a turn answered not-holder ended a turn already over.
+        self.preempted: set[tuple[str, int]] = set()
         self._buffer = LineBuffer(max_line)
         self._pending: deque[Call[Any]] = deque()  # in the order their lines go out
         self._outbox: deque[Call[Any]] = deque()  # pending, line not handed out yet
@@ -266,9 +271,11 @@ class ClientSession:
         parked_max: int | str = 0,
         fallback: str = "none",
         ask: bool = False,
+        max_turn: float | None = None,
     ) -> Call[dict[str, str]]:
         """``REGISTER``; `name` also becomes the session's `workload`. `parked_max` may
-        be a size text (``4GiB``); `park` and `fallback` are the wire words."""
+        be a size text (``4GiB``); `park` and `fallback` are the wire words; `max_turn`
+        (seconds) opts into preemption."""
         name = self._name(name)
         self.workload = name
         size = parse_size(parked_max) if isinstance(parked_max, str) else parked_max
@@ -281,6 +288,7 @@ class ClientSession:
             parked_max=size,
             fallback=ParkFallback(fallback),
             ask=ask,
+            max_turn=max_turn,
         )
         return self._send(req, _fields)
 
@@ -433,6 +441,10 @@ class ClientSession:
             for call in itertools.chain(self._pending, self._held):
                 if call.fault is None and _names(call.request) == msg.workload:
                     call.fault = msg
+        if isinstance(msg, Preempted):
+            if len(self.preempted) >= MAX_PREEMPTED:
+                self.preempted.clear()  # bounded: only a turn still being ended matters
+            self.preempted.add((msg.workload, msg.turn))
         self.events.append(msg)
         new.append(msg)
 

@@ -36,6 +36,7 @@ MAX_SERVER_LINE = 1024 * 1024
 
 PROTO_VERSION = 1
 PARKED_MAX_LIMIT = 10 * 1024**3
+MAX_TURN_LIMIT = 86400.0  # REGISTER max_turn=, seconds
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 """Workload names; always use ``fullmatch``."""

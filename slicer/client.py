@@ -212,8 +212,8 @@ class Slicer(SessionView):
         self._call(self._session.ping(), REPLY_TIMEOUT)
 
     def register(self, name: str | None = None, **kw: Any) -> dict[str, str]:
-        """REGISTER (keywords: gpu, pid, tree, park, parked_max, fallback, ask); `name`
-        becomes the default workload of later calls."""
+        """REGISTER (keywords: gpu, pid, tree, park, parked_max, fallback, ask,
+        max_turn); `name` becomes the default workload of later calls."""
         return self._call(self._session.register(name, **kw), REPLY_TIMEOUT)
 
     def acquire(self, name: str | None = None, wait: float | None = None) -> Turn:
@@ -277,7 +277,9 @@ class Slicer(SessionView):
             self.close()
             if loud:
                 raise Unreachable(release_stuck(self.release_timeout)) from None
-        except (ClientError, proto.ProtocolError):
+        except (ClientError, proto.ProtocolError) as e:
+            if self._preempted(t, e):
+                return
             if loud:
                 raise
             # The body's own exception (KeyboardInterrupt included) is what the caller must

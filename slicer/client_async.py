@@ -167,8 +167,8 @@ class AsyncCalls(SessionView):
         await self._call(self._session.ping, REPLY_TIMEOUT)
 
     async def register(self, name: str | None = None, **kw: Any) -> dict[str, str]:
-        """REGISTER (keywords: gpu, pid, tree, park, parked_max, fallback, ask); `name`
-        becomes the default workload of later calls."""
+        """REGISTER (keywords: gpu, pid, tree, park, parked_max, fallback, ask,
+        max_turn); `name` becomes the default workload of later calls."""
         return await self._call(lambda: self._session.register(name, **kw), REPLY_TIMEOUT)
 
     async def acquire(self, name: str | None = None, wait: float | None = None) -> Turn:

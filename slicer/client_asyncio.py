@@ -142,7 +142,9 @@ class AsyncioSlicer(AsyncCalls):
         except TimeoutError:
             await self.aclose()
             return True
-        except (ClientError, proto.ProtocolError):
+        except (ClientError, proto.ProtocolError) as e:
+            if self._preempted(t, e):
+                return False
             if loud:
                 raise
             # The body's own exception (or cancellation) is what the caller must see, not

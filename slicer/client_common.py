@@ -63,6 +63,13 @@ class SessionView:
     def workload(self, name: str | None) -> None:
         self._session.workload = name
 
+    def _preempted(self, t: proto.Turn, error: Exception) -> bool:
+        # A release refused because slicerd took the turn back (PREEMPTED came first):
+        # the turn is over as the `with` block meant it to be; nothing is wrong.
+        code = getattr(error, "code", None)
+        taken = (t.workload, t.turn) in self._session.preempted
+        return code == proto.ErrorCode.NOT_HOLDER and taken
+
     @property
     def events(self) -> deque[proto.ServerMessage]:
         """Non-reply lines received and not yet taken by `next_message`."""

@@ -156,7 +156,9 @@ class AsyncSlicer(AsyncCalls):
             try:
                 with trio.move_on_after(self.release_timeout) as bound:
                     await self.release(t, park)
-            except (ClientError, proto.ProtocolError):
+            except (ClientError, proto.ProtocolError) as e:
+                if self._preempted(t, e):
+                    return
                 if loud:
                     raise
                 # The body's own exception (or cancellation) is what the caller must see,

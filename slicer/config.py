@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpu_slicer.proto import ProtocolError, parse_size
 from gpu_slicer.slicer.errors import ConfigError, GpuBackendError
 from gpu_slicer.slicer.gpu import check_backend_name
 
@@ -47,6 +48,15 @@ class Config:
     state_dir: str = "/var/lib/slicer"
     gpu_backend: str = "nvml"
     cuda_checkpoint: str = "cuda-checkpoint"
+    # Who parks: the cuda-checkpoint CLI (`cli`), one long-lived helper on the driver's
+    # checkpoint API (`driver`, r570+: no driver initialisation per step), or `auto`: the
+    # driver API when `libcuda` is there and exports it, else the CLI (`slicer.driverpark`).
+    parker: str = "auto"
+    libcuda: str = "libcuda.so.1"
+    # Fit-aware turns (`slicer.fit`): freeze (lock) instead of park when the next
+    # workload's known need fits in what is free, keeping `fit_headroom` bytes spare.
+    fit_aware: bool = False
+    fit_headroom: int = 2 * 1024**3
     park_timeout: float = 120.0
     restore_timeout: float = 120.0
     fault_kill_after: float = 60.0
@@ -96,6 +106,8 @@ class Config:
             raise ConfigError(
                 f"verify_reuse_ms must be in [0, 1000] ms, got {self.verify_reuse_ms}"
             )
+        if not 0 <= self.fit_headroom <= 1 << 50:
+            raise ConfigError(f"fit_headroom must be in [0, 1 PiB] bytes, got {self.fit_headroom}")
         if self.reserved_connections < 0:
             raise ConfigError("reserved_connections must be >= 0")
         try:
@@ -104,6 +116,10 @@ class Config:
             raise ConfigError(f"gpu_backend: {e}") from None
         if self.foreign not in ("block", "ignore"):
             raise ConfigError(f"foreign must be block or ignore, got {self.foreign!r}")
+        if self.parker not in ("auto", "cli", "driver"):
+            raise ConfigError(f"parker must be auto, cli or driver, got {self.parker!r}")
+        if not self.libcuda or "\0" in self.libcuda:
+            raise ConfigError("libcuda must name a library (a soname or a path)")
         if self.census not in ("auto", "pids", "elimination"):
             raise ConfigError(f"census must be auto, pids or elimination, got {self.census!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -143,6 +159,8 @@ def _coerce(key: str, value: Any) -> Any:
     try:
         if key == "socket_mode" and isinstance(value, str):
             return int(value, 8)
+        if key == "fit_headroom" and isinstance(value, str):
+            return parse_size(value)  # "2GiB" as REGISTER's parked_max= reads it
         if kind == "float" and isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
         if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
@@ -151,9 +169,11 @@ def _coerce(key: str, value: Any) -> Any:
             return value
         if kind.startswith("str") and isinstance(value, str):
             return value
-    except ValueError:
+    except (ValueError, ProtocolError):
         pass
     expected = "an octal mode such as 660" if key == "socket_mode" else kind
+    if key == "fit_headroom":
+        expected = "bytes, or a size such as 2GiB"
     raise ConfigError(f"config key {key}: bad value {value!r} (expected {expected})")
 
 

@@ -4,7 +4,9 @@ A failure to start is one line on stderr, ``slicerd: error: WHAT (WHAT TO DO)``,
 traceback, and a sysexits-style exit code (README, "Running slicerd"): 0 stopped by
 SIGTERM/SIGINT; 64 a bad option or option value on the command line (the same bad value
 in the config file is 78, as is a bad flag of `config.HOST_KEYS`); 69 the GPU backend's
-driver is unavailable, or another daemon listens on the socket path or the metrics port;
+driver is unavailable, or another daemon listens on the socket path or the metrics port,
+or the driver parker cannot start (`parker = driver` without the API, or a dead daemon's
+checkpoint helper still running past its bound: `slicer.driverpark`);
 70 an internal error (a bug; ``--log-level debug`` logs its traceback); 78 the
 configuration is wrong (config file missing, unreadable, not a regular file, not TOML, an
 unknown key, a bad value, an unknown GPU backend or a ``module:attribute`` one that does
@@ -29,6 +31,7 @@ import trio
 
 from gpu_slicer.slicer import __version__
 from gpu_slicer.slicer.config import Config, FlagError, load
+from gpu_slicer.slicer.driverpark import open_parker, settle_leftovers
 from gpu_slicer.slicer.errors import ConfigError, GpuBackendError, SlicerError
 from gpu_slicer.slicer.exits import (
     EX_CONFIG,
@@ -44,7 +47,7 @@ from gpu_slicer.slicer.journal import Journal, JournalError, StateDirLocked, Sta
 from gpu_slicer.slicer.listen import SocketBusy, open_listener
 from gpu_slicer.slicer.metrics_http import MetricsListenError, serve_metrics
 from gpu_slicer.slicer.notify import sd_notify, watchdog_interval
-from gpu_slicer.slicer.park import CheckpointParker, ToolRunner
+from gpu_slicer.slicer.park import Running
 from gpu_slicer.slicer.server import Server
 from gpu_slicer.slicer.state import Limits, SlicerState
 
@@ -89,14 +92,20 @@ async def serve(
             max_connections=cfg.max_connections,
             max_connections_per_uid=cfg.max_connections_per_uid,
             reserved_connections=cfg.reserved_connections,
+            fit_aware=cfg.fit_aware,
+            fit_headroom=cfg.fit_headroom,
         )
         sm = SlicerState([(d.index, d.uuid) for d in devices], limits)
-        listener, owned = open_listener(cfg.socket, cfg.socket_mode, cfg.socket_group)
-        # Signals are caught before READY=1: a SIGTERM right after it must still stop
-        # the daemon cleanly (socket removed, lock released), never by the default action.
+        # Signals are caught before the socket exists: a SIGTERM the moment it answers (or
+        # right after READY=1) must still stop the daemon cleanly (socket removed, lock
+        # released), never by the default action.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            # Before the socket: a start that waits for a dead daemon's checkpoint helper
+            # must not accept connections it cannot answer.
+            await settle_leftovers(cfg)
+            listener, owned = open_listener(cfg.socket, cfg.socket_mode, cfg.socket_group)
             async with trio.open_nursery() as nursery:
-                parker = CheckpointParker(_tool_path(cfg), ToolRunner(nursery))
+                parker = await open_parker(cfg, _tool_path(cfg), nursery)
                 server = Server(cfg, sm, backend, parker, journal, entries)
                 await nursery.start(serve_metrics, cfg, server)  # none without metrics_listen
                 await nursery.start(server.run, listener)
@@ -120,7 +129,7 @@ async def serve(
         lock.release()
 
 
-async def _let_parks_finish(server: Server, runner: ToolRunner, bound: float) -> None:
+async def _let_parks_finish(server: Server, runner: Running, bound: float) -> None:
     # A cuda-checkpoint killed mid-operation desynchronises the driver, and in a container
     # the runtime kills what the daemon leaves behind: let the park, restore and recovery
     # tasks in flight (a park is several tool runs) and any tool still running end,
@@ -161,6 +170,19 @@ async def _watchdog(every: float) -> None:
     "or module:attribute.",
 )
 @click.option("--cuda-checkpoint", help="Path of the cuda-checkpoint executable.")
+@click.option(
+    "--parker",
+    type=click.Choice(["auto", "cli", "driver"]),
+    help="Park with the cuda-checkpoint CLI, or one helper on the driver's checkpoint API "
+    "(r570+); auto (default): the driver API where the library exports it.",
+)
+@click.option("--libcuda", help="The driver library the driver parker loads (libcuda.so.1).")
+@click.option(
+    "--fit-aware/--no-fit-aware",
+    default=None,
+    help="Freeze (lock) instead of park when the next workload fits beside (default off).",
+)
+@click.option("--fit-headroom", help="Bytes kept free beside a freeze (e.g. 2GiB; default 2GiB).")
 @click.option("--park-timeout", type=float)
 @click.option("--restore-timeout", type=float)
 @click.option("--fault-kill-after", type=float)

@@ -50,8 +50,10 @@ class Park:
     wid: int
     workload: str
     gpu: int
-    mode: str
+    mode: str  # checkpoint, cooperative, or freeze (lock only, if `need` bytes are free)
     parked_max: int
+    need: int = 0  # freeze: the free bytes the next workload needs (headroom included)
+    locked: bool = False  # checkpoint: the processes are locked already (a frozen one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,7 @@ class Restore:
     gpu: int
     procs: tuple[tuple[int, int], ...]  # (pid, start time) of each checkpointed process
     nbytes: int
+    thaw: bool = False  # a frozen workload: unlock only, its memory never left
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,15 @@ class SendFault:
     turn: int
     reason: str
     text: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendPreempted:
+    """Send `PREEMPTED workload turn=T` to the holder `conn` whose turn was taken back."""
+
+    conn: ConnId
+    workload: str
+    turn: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +202,7 @@ Effect = (
     | Verify
     | Recheck
     | SendFault
+    | SendPreempted
     | SendWaiting
     | Reap
     | Kill

@@ -13,6 +13,7 @@ apply effects), so nothing here imports it back.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -174,6 +175,7 @@ class GpuOps:
             fallback=str(req.fallback),
             sharing=self._sharing((pid, start), req.tree),
             ask=req.ask,
+            max_turn=req.max_turn,
         )
 
     def _sharing(self, ident: procs.Ident, tree: bool) -> list[int]:
@@ -255,6 +257,10 @@ class GpuOps:
             parked = tuple((p, st) for p in pids if (st := self.host.start_time(p)) is not None)
             if parked and self.attr.blind:
                 parked = await self.attr.cuda_only(parked, self.parker, GET_STATE_TIMEOUT)
+            if e.mode == "freeze" and not self._may_freeze(e, parked, before):
+                declined = self._declined(t0)
+                self.report(e.op, token, lambda: self.sm.park_done(e.op, declined, self._clock()))
+                return
             if parked:
                 # Journaled before the tool runs: a daemon killed from here on finds the
                 # processes in the journal and asks the driver how far the park got.
@@ -264,7 +270,7 @@ class GpuOps:
                 if not go:
                     self.report(e.op, token, lambda: fx)
                     return
-                tool = await self.parker.park([p for p, _ in parked], self.cfg.park_timeout)
+                tool = await self._park_tool(e, [p for p, _ in parked])
                 alive = tuple(self.host.alive(p) for p in parked)
         except Exception as ex:
             error = str(ex)[:300]
@@ -282,7 +288,35 @@ class GpuOps:
             after = 0
         self.reuse.forget(e.gpu)  # its end changes who is on the GPU
         report = ParkReport(self._ms_since(t0), before, parked, tool, alive, after, error)
+        if e.mode == "freeze":
+            report = dataclasses.replace(report, frozen=True)
         self.report(e.op, token, lambda: self.sm.park_done(e.op, report, self._clock()))
+
+    def _may_freeze(self, e: Park, parked: tuple[procs.Ident, ...], before: int) -> bool:
+        # Fit-aware turns (`slicer.fit`): lock only when the next workload's need fits in
+        # what is free now, and there is something to lock (and a lock step to do it).
+        # Within parked_max it parked itself (a slept vLLM): frozen, its wake would need
+        # memory nobody knows of; it is parked the usual way.
+        if not parked or not self.parker.has_action or before <= e.parked_max:
+            return False
+        try:
+            free = self.backend.free_bytes(e.gpu)
+        except Exception as ex:  # unread: never freeze on a guess
+            log.warning("%s: free bytes of GPU %d unreadable (%s): park", e.workload, e.gpu, ex)
+            return False
+        log.info("%s: %d bytes free on GPU %d, the next needs %d: %s", e.workload, free,
+                 e.gpu, e.need, "freeze" if free >= e.need else "park")  # fmt: skip
+        return free >= e.need
+
+    def _declined(self, t0: float) -> ParkReport:
+        return ParkReport(ms=self._ms_since(t0), after=0, declined=True)
+
+    async def _park_tool(self, e: Park, pids: list[int]) -> Outcome:
+        if e.mode == "freeze":
+            return await self.parker.act(pids, "lock", self.cfg.park_timeout)
+        if e.locked:  # a frozen workload: locked already, checkpoint what it holds
+            return await self.parker.act(pids, "checkpoint", self.cfg.park_timeout)
+        return await self.parker.park(pids, self.cfg.park_timeout)
 
     def verify_parked(self, e: Park) -> list[Effect]:
         """A cooperative park: the workload freed the GPU itself; it is checked through
@@ -300,7 +334,10 @@ class GpuOps:
         tool: Outcome | None = None
         error = ""
         try:
-            if live:
+            if live and e.thaw:  # frozen: its memory never left, unlock it
+                pids = [p for p, _ in live]
+                tool = await self.parker.act(pids, "unlock", self.cfg.restore_timeout)
+            elif live:
                 tool = await self.parker.restore([p for p, _ in live], self.cfg.restore_timeout)
         except Exception as ex:
             error = str(ex)[:300]

@@ -60,15 +60,19 @@ class WState(enum.StrEnum):
     PARKED = "parked"
     RESTORING = "restoring"
     FAULTED = "faulted"
+    # Resident but locked (cuda-checkpoint lock): no CUDA work runs, its memory stays
+    # (fit-aware turns, `slicer.fit`); thawed (unlock) at its next turn.
+    FROZEN = "frozen"
 
 
 TRANSITIONS: dict[WState, frozenset[WState]] = {
     WState.REGISTERED: frozenset({WState.ACTIVE, WState.IDLE}),
     WState.ACTIVE: frozenset({WState.IDLE, WState.PARKING, WState.FAULTED}),
     WState.IDLE: frozenset({WState.ACTIVE, WState.PARKING}),
-    WState.PARKING: frozenset({WState.PARKED, WState.FAULTED, WState.IDLE}),
+    WState.PARKING: frozenset({WState.PARKED, WState.FAULTED, WState.IDLE, WState.FROZEN}),
     WState.PARKED: frozenset({WState.RESTORING, WState.ACTIVE, WState.IDLE, WState.FAULTED}),
     WState.RESTORING: frozenset({WState.ACTIVE, WState.IDLE, WState.PARKED, WState.FAULTED}),
+    WState.FROZEN: frozenset({WState.RESTORING, WState.PARKING, WState.FAULTED}),
     WState.FAULTED: frozenset(),
 }
 
@@ -105,10 +109,18 @@ class Workload:
     # The (pid, start time) of each process checkpointed by the last park: what a restore
     # must bring back. Empty for a cooperative park (the workload freed the GPU itself).
     parked_procs: tuple[Ident, ...] = ()
+    # The processes a freeze locked (fit-aware turns): what a thaw unlocks.
+    frozen_procs: tuple[Ident, ...] = ()
+    freezes: int = 0
     # What cooperative workloads may fall back to when they cannot park themselves.
     fallback: str = "none"
     # The registrant answers PARK events (it can park the workload itself).
     ask: bool = False
+    # Opt-in preemption (park=checkpoint only): a turn held longer than this while
+    # another workload waits is taken back (`slicer.preempt`); None: never.
+    max_turn: float | None = None
+    preemptions: int = 0
+    preempted_turn: int = 0  # the last turn taken back (a late RELEASE of it is told so)
     # A checkpoint park in flight: the processes handed to the tool and the bytes they
     # held, journaled before the tool runs so that a restarted daemon knows whom to ask.
     op_procs: tuple[Ident, ...] = ()

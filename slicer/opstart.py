@@ -11,8 +11,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpu_slicer.slicer import policy, rescue
-from gpu_slicer.slicer.effects import ConnId, Effect, Kill, Persist, Reap, Recover, Restore, Verify
-from gpu_slicer.slicer.model import Gpu, Op, OpKind, Workload, WState
+from gpu_slicer.slicer.effects import (
+    ConnId,
+    Effect,
+    Kill,
+    Park,
+    Persist,
+    Reap,
+    Recover,
+    Restore,
+    Verify,
+)
+from gpu_slicer.slicer.model import Gpu, Op, OpKind, ParkStage, Workload, WState
 from gpu_slicer.slicer.views import event
 
 
@@ -50,9 +60,17 @@ def kill_if_due(w: Workload, alive: bool, holders: tuple[int, ...], now: float) 
 
 
 def start_park(
-    gpu: Gpu, w: Workload, op_id: int, asker: ConnId | None, timeout: float, now: float
+    gpu: Gpu,
+    w: Workload,
+    op_id: int,
+    asker: ConnId | None,
+    timeout: float,
+    now: float,
+    freeze_need: int | None = None,
 ) -> list[Effect]:
-    """Start parking `w` on `gpu` as op `op_id`; `asker`: who may park it itself."""
+    """Start parking `w` on `gpu` as op `op_id`; `asker`: who may park it itself;
+    `freeze_need`: freeze it instead when that many bytes are free (`slicer.fit`)."""
+    frozen = w.state is WState.FROZEN
     w.to(WState.PARKING)
     op = Op(OpKind.PARK, op_id, w, reply_conn=w.park_reply)
     unattended = w.holder_died and w.park == "cooperative"
@@ -64,6 +82,14 @@ def start_park(
         Persist(lazy=True),
         event("parking", w, now),
     ]
+    if frozen:
+        # Locked already (frozen): checkpoint what it holds; its own park is long done.
+        op.stage = ParkStage.CHECKPOINT
+        fx.append(Park(op_id, w.wid, w.name, gpu.index, "checkpoint", w.parked_max, locked=True))
+        return fx
+    if freeze_need is not None and not unattended:
+        fx.append(Park(op_id, w.wid, w.name, gpu.index, "freeze", w.parked_max, need=freeze_need))
+        return fx
     # Its holder died mid-turn: what the backend sees now may be half a wake. The
     # registrant parks it (vLLM serialises a sleep after a wake in flight), else
     # cuda-checkpoint, else the backend's word is all there is.
@@ -96,6 +122,18 @@ def start_verify(gpu: Gpu, w: Workload, op_id: int) -> list[Effect]:
     op = Op(OpKind.VERIFY, op_id, w, need=need)
     gpu.op = op
     return [Verify(op.op_id, gpu.index, w.wid, need)]
+
+
+def start_thaw(gpu: Gpu, w: Workload, op_id: int, now: float) -> list[Effect]:
+    """Start thawing the frozen `w` on `gpu` as op `op_id` (unlock: nothing moves)."""
+    w.to(WState.RESTORING)
+    op = Op(OpKind.RESTORE, op_id, w)
+    gpu.op = op
+    return [
+        Persist(),
+        event("thawing", w, now),
+        Restore(op.op_id, w.wid, w.name, gpu.index, w.frozen_procs, 0, thaw=True),
+    ]
 
 
 def start_restore(gpu: Gpu, w: Workload, op_id: int, now: float) -> list[Effect]:

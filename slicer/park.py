@@ -19,7 +19,7 @@ import trio
 
 from gpu_slicer.slicer.readings import Outcome
 
-__all__ = ["CheckpointParker", "Outcome", "Parker", "ToolResult", "ToolRunner"]
+__all__ = ["CheckpointParker", "Outcome", "Parker", "Running", "ToolResult", "ToolRunner"]
 
 log = logging.getLogger("slicer.park")
 
@@ -106,6 +106,7 @@ class Parker(Protocol):
 
     path: str
     has_action: bool
+    kind: str  # "cli" or "driver" (STATUS `parker`)
 
     @property
     def runner(self) -> Running:
@@ -139,6 +140,8 @@ class Parker(Protocol):
 
 class CheckpointParker:
     """Parks and restores processes with the cuda-checkpoint executable at `path`."""
+
+    kind = "cli"
 
     def __init__(self, path: str, runner: ToolRunner) -> None:
         self.path = path

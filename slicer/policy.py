@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from gpu_slicer.slicer import fit
 from gpu_slicer.slicer.model import RESIDENT, Gpu, Op, Waiter, Workload, WState
 from gpu_slicer.slicer.readings import (
     Census,
@@ -86,7 +87,9 @@ def blockers(
         pids = ",".join(map(str, seen.unattributed_pids[:16]))
         out.append({"reason": "unattributed", "bytes": seen.unattributed, "host_pids": pids})
     for w in others:
-        if w.wid != wid and seen.of(w.wid) > w.parked_max:
+        # A frozen workload is resident on purpose: it runs nothing (fit-aware turns);
+        # the room the grant needs is checked apart (`need`).
+        if w.wid != wid and w.state is not WState.FROZEN and seen.of(w.wid) > w.parked_max:
             out.append({"workload": w.name, "pid": w.pid, "bytes": seen.of(w.wid)})
     if need and (free is None or free < need):
         out.append({"reason": "no-room", "need": need, "free": free})
@@ -112,7 +115,12 @@ class Move:
             self.w.check(target)
 
 
-_TARGETS = {"park": WState.PARKING, "restore": WState.RESTORING, "grant": WState.ACTIVE}
+_TARGETS = {
+    "park": WState.PARKING,
+    "restore": WState.RESTORING,
+    "thaw": WState.RESTORING,
+    "grant": WState.ACTIVE,
+}
 
 
 def next_move(
@@ -146,6 +154,10 @@ def next_move(
     for w in idle:
         if w.must_park or w.detached:
             return Move("park", w)
+    for w in on_gpu:
+        if w.state is WState.FROZEN and w.detached:
+            # Its registration ended: nobody will thaw it; checkpoint what it locked.
+            return Move("park", w)
     for w in idle:
         crowded = len(residents) > 1 and w is not holder_w
         if w is not head_w and (head_w is not None or crowded):
@@ -154,8 +166,15 @@ def next_move(
         return None  # never granted while a faulted one is resident
     if gpu.holder is not None or head is None or head_w is None:
         return None
+    frozen = [w for w in on_gpu if w.state is WState.FROZEN and w is not head_w]
+    if frozen and fit.known_need(head_w) is None:
+        # The head's need is unknown (it never ran, or parked itself): nothing frozen
+        # may stay beside it (`slicer.fit`).
+        return Move("park", frozen[0])
     if verified is not head_w:
         return Move("verify", head_w, head)
+    if head_w.state is WState.FROZEN:
+        return Move("thaw", head_w, head)
     if head_w.state is WState.PARKED and head_w.parked_procs:
         return Move("restore", head_w, head)
     return Move("grant", head_w, head)

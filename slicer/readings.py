@@ -66,6 +66,10 @@ class ParkReport:
     alive: tuple[bool, ...] = ()
     after: int | Unreadable = Unreadable("park-error", "not measured")
     error: str = ""
+    # A freeze: `frozen` when it locked the processes; `declined` when the GPU had less
+    # free than the next workload needs (nothing was done: the op parks it instead).
+    frozen: bool = False
+    declined: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,9 @@ class Limits:
     max_connections: int = 1024
     max_connections_per_uid: int = 64  # root and the allowed group are exempt
     reserved_connections: int = 32  # of max_connections, kept for root
+    # Fit-aware turns (`slicer.fit`): freeze instead of park when the next one fits.
+    fit_aware: bool = False
+    fit_headroom: int = 2 * 1024**3
 
 
 @dataclass(frozen=True)

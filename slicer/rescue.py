@@ -7,7 +7,9 @@ the park op moves through stages, and the GPU stays taken throughout:
     VERIFY      the backend is read: parked already? then done
     ASK         its registrant (ask=1) is sent PARK and answers PARKED, within a bound
     REVERIFY    the backend is read again, whatever the answer said
-    CHECKPOINT  cuda-checkpoint, where the workload allows it (fallback=checkpoint)
+    CHECKPOINT  cuda-checkpoint, where the workload allows it (fallback=checkpoint or
+                residue); with fallback=residue also after a park that held, for what
+                it left on the GPU (`residue`)
 
 and only when all of that failed is the workload faulted (by `SlicerState`). A holder that
 died mid-turn may have left a wake in flight, so the backend's word alone is not trusted
@@ -21,6 +23,9 @@ from gpu_slicer.slicer.effects import AskPark, ConnId, Effect, Park
 from gpu_slicer.slicer.model import Op, ParkStage
 from gpu_slicer.slicer.views import event
 
+# The fallbacks that allow the slicer's own cuda-checkpoint of a cooperative workload.
+CHECKPOINTABLE = ("checkpoint", "residue")
+
 
 def start(
     op: Op, gpu: int, unattended: bool, asker: ConnId | None, timeout: float, now: float
@@ -31,7 +36,7 @@ def start(
     if unattended:
         if asker is not None:
             return _ask(op, asker, timeout, now, "holder-closed")
-        if w.fallback == "checkpoint":
+        if w.fallback in CHECKPOINTABLE:
             return _checkpoint(op, now, "holder-closed")
     return [Park(op.op_id, w.wid, w.name, gpu, w.park, w.parked_max)]
 
@@ -44,7 +49,7 @@ def next_stage(
     try (the caller faults it)."""
     if op.stage is ParkStage.VERIFY and asker is not None:
         return _ask(op, asker, timeout, now, reason)
-    if op.workload.fallback == "checkpoint":
+    if op.workload.fallback in CHECKPOINTABLE:
         return _checkpoint(op, now, reason)
     return None
 
@@ -56,10 +61,21 @@ def after_answer(op: Op, answered: bool, now: float) -> list[Effect]:
     # allowed, cuda-checkpoint it, since a locked process runs no CUDA work whatever it
     # was doing; else the backend alone decides.
     w = op.workload
-    if not answered and w.fallback == "checkpoint":
+    if not answered and w.fallback in CHECKPOINTABLE:
         return _checkpoint(op, now, "not-parked-by-registrant")
     op.stage = ParkStage.REVERIFY
     return [Park(op.op_id, w.wid, w.name, w.gpu, "cooperative", w.parked_max)]
+
+
+def residue(op: Op, now: float) -> list[Effect] | None:
+    """After a cooperative park that held: with ``fallback=residue``, checkpoint what it
+    left on the GPU (a slept vLLM's CUDA context and graphs, a few GiB on large models)
+    so that the next workload gets the whole GPU; None otherwise (the park is done). The
+    checkpoint comes strictly after the workload's own park (its sleep), and the restore
+    that brings it back strictly before its next grant (so before its wake)."""
+    if op.workload.fallback != "residue" or op.stage is ParkStage.CHECKPOINT:
+        return None
+    return _checkpoint(op, now, "residue")
 
 
 def _ask(op: Op, asker: ConnId, timeout: float, now: float, reason: str) -> list[Effect]:

@@ -99,29 +99,38 @@ def resumed(e: dict[str, Any], wid: int) -> Resumed | None:
 
 def journal_entries(workloads: Iterable[Workload]) -> list[dict[str, Any]]:
     """What a restarted daemon needs to know: every tracked workload's processes."""
-    return [
-        {
-            "name": w.name,
-            "gpu": w.gpu,
-            "pid": w.pid,
-            "start_time": w.start_time,
-            "tree": w.tree,
-            "park": w.park,
-            "parked_max": w.parked_max,
-            "owner_uid": w.owner_uid,
-            "state": str(w.state),
-            "parked_bytes": w.parked_bytes,
-            "parked_procs": [list(p) for p in w.parked_procs],
-            "op_procs": [list(p) for p in w.op_procs],
-            "op_bytes": w.op_bytes,
-            "fallback": w.fallback,
-            "ask": w.ask,
-            "ns_pid": w.ns_pid,
-            "pidns": w.pidns,
-            "parks": w.parks,
-            "restores": w.restores,
-            "faults": w.faults,
-            "fault_reason": w.fault_reason,
-        }
-        for w in workloads
-    ]
+    return [_entry(w) for w in workloads]
+
+
+def _entry(w: Workload) -> dict[str, Any]:
+    # A frozen workload (fit-aware turns) is journaled as a park in flight over its
+    # locked processes, a thaw in flight as a restore: a restart finishes the park
+    # (checkpoint what is locked) or the thaw (unlock), and never forgets a lock.
+    state, parked, op_procs = str(w.state), w.parked_procs, w.op_procs
+    if w.state is WState.FROZEN:
+        state, op_procs = str(WState.PARKING), w.frozen_procs
+    elif w.state is WState.RESTORING and w.frozen_procs:
+        parked = w.frozen_procs
+    return {
+        "name": w.name,
+        "gpu": w.gpu,
+        "pid": w.pid,
+        "start_time": w.start_time,
+        "tree": w.tree,
+        "park": w.park,
+        "parked_max": w.parked_max,
+        "owner_uid": w.owner_uid,
+        "state": state,
+        "parked_bytes": w.parked_bytes,
+        "parked_procs": [list(p) for p in parked],
+        "op_procs": [list(p) for p in op_procs],
+        "op_bytes": w.op_bytes,
+        "fallback": w.fallback,
+        "ask": w.ask,
+        "ns_pid": w.ns_pid,
+        "pidns": w.pidns,
+        "parks": w.parks,
+        "restores": w.restores,
+        "faults": w.faults,
+        "fault_reason": w.fault_reason,
+    }

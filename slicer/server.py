@@ -64,6 +64,7 @@ from gpu_slicer.slicer.effects import (
     Reply,
     Restore,
     SendFault,
+    SendPreempted,
     SendWaiting,
     Verify,
 )
@@ -465,6 +466,10 @@ class Server:
             case SendWaiting():
                 if (c := self.conns.get(e.conn)) is not None:
                     c.send(proto.encode(Waiting(e.workload, e.turn, e.waiters)))
+            case SendPreempted():
+                log.warning("preempted %s turn=%d (held past its max_turn)", e.workload, e.turn)
+                if (c := self.conns.get(e.conn)) is not None:
+                    c.send(proto.encode(proto.Preempted(e.workload, e.turn)))
             case Reap():
                 nursery.start_soon(self._ops.reap, e)
             case Kill():
@@ -615,6 +620,7 @@ class Server:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "connections": len(self.conns),
             "tools_running": self.parker.runner.running,
+            "parker": self.parker.kind,  # cuda-checkpoint CLI, or the driver API's helper
             # How device memory is attributed: by the backend's pids, or by elimination.
             "census": self._ops.attr.census,
             "journal": {

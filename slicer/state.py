@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
-from gpu_slicer.slicer import errors, opstart, policy, rescue, restart, views
+from gpu_slicer.slicer import errors, fit, opstart, policy, preempt, rescue, restart, views
 from gpu_slicer.slicer.effects import (
     ConnId,
     Deny,
@@ -37,6 +37,7 @@ from gpu_slicer.slicer.effects import (
     Recheck,
     Reply,
     SendFault,
+    SendPreempted,
 )
 from gpu_slicer.slicer.model import (
     RESIDENT,
@@ -78,7 +79,8 @@ class SlicerState:
         self._turns = itertools.count(1)
         self._ops = itertools.count(1)
         self._wids = itertools.count(1)
-        self.totals = {"grants": 0, "parks": 0, "restores": 0, "faults": 0}
+        self.totals = {"grants": 0, "parks": 0, "restores": 0, "faults": 0, "preemptions": 0}
+        self.totals |= {"freezes": 0, "thaws": 0}
         self._per_uid: dict[int, int] = {}
 
     # ---- lookups ---------------------------------------------------------------------
@@ -186,6 +188,7 @@ class SlicerState:
         fallback: str = "none",
         sharing: Iterable[int] = (),
         ask: bool = False,
+        max_turn: float | None = None,
     ) -> list[Effect]:
         """REGISTER: create the workload (or adopt an orphan of the same processes).
 
@@ -215,6 +218,7 @@ class SlicerState:
             w = self.orphans.pop(adopt.wid)
             w.registrant, w.tree, w.park, w.parked_max = conn, tree, park, parked_max
             w.owner_uid, w.fallback, w.ask = proc.uid, fallback, ask
+            w.max_turn = max_turn
             w.ns_pid, w.pidns = proc.ns_pid, proc.pidns
             kind = "adopted"
         else:
@@ -231,12 +235,17 @@ class SlicerState:
                 registrant=conn,
                 fallback=fallback,
                 ask=ask,
+                max_turn=max_turn,
                 ns_pid=proc.ns_pid,
                 pidns=proc.pidns,
             )
             if resident_bytes > parked_max:
                 w.to(WState.IDLE)
-                others = [x for x in self._on_gpu(self.gpus[gpu_index]) if x.state in RESIDENT]
+                others = [
+                    x
+                    for x in self._on_gpu(self.gpus[gpu_index])
+                    if x.state in RESIDENT or x.state is WState.FROZEN
+                ]
                 # The newcomer is parked at once; whoever was resident first stays.
                 w.must_park = bool(others)
             kind = "registered"
@@ -289,6 +298,12 @@ class SlicerState:
         gpu = holding(self.gpus.values(), conn)
         holder = gpu.holder if gpu is not None else None
         if gpu is None or holder is None or holder.turn != turn or holder.workload.name != name:
+            w = self.registered.get(name)
+            if w is not None and w.preempted_turn == turn and turn:
+                raise errors.NotHolder(
+                    f"turn {turn} of {name} was preempted (held past its max_turn while "
+                    "another workload waited); ACQUIRE again"
+                )
             raise errors.NotHolder(f"this connection does not hold turn {turn} of {name}")
         fx: list[Effect] = []
         w = end_turn(gpu, now, fx, reason="released")
@@ -360,15 +375,27 @@ class SlicerState:
         assert gpu.op is not None
         op = gpu.op
         w = op.workload
+        if report.declined:
+            # Not enough room to freeze it beside the next one: park it the usual way.
+            timeout = self.limits.registrant_park_timeout
+            declined: list[Effect] = [event("freeze-declined", w, now)]
+            return declined + rescue.start(op, gpu.index, False, self._asker(w), timeout, now)
+        exited = report.tool is not None and not report.tool.ok and not any(report.alive)
+        if report.frozen and not exited:
+            return self._frozen(gpu, op, report, now)
+        # (Its processes exited under the lock: nothing is left to freeze; judged as a
+        # park, by what the backend sees.)
         cooperative = w.park == "cooperative" and op.stage is not ParkStage.CHECKPOINT
         verdict = policy.judge_park(report, gpu.index, w.parked_max, cooperative)
         ok, reason, text, ms = verdict.ok, verdict.reason, verdict.text, report.ms
         if not ok and cooperative:
             # A cooperative workload nobody parked: ask its registrant, then fall back.
             return self._cooperative_next(op, reason, text, now)
+        if ok and cooperative and (more := rescue.residue(op, now)) is not None:
+            return more  # the op goes on: checkpoint what the cooperative park left
         w.check(WState.PARKED if ok else WState.FAULTED)
         gpu.op = None
-        w.op_procs, w.op_bytes = (), 0
+        w.op_procs, w.op_bytes, w.frozen_procs = (), 0, ()
         fx: list[Effect] = []
         if ok:
             w.to(WState.PARKED)
@@ -388,6 +415,32 @@ class SlicerState:
             fx += self._fault(w, reason, text or f"park failed: {reason}", now)
             if op.reply_conn is not None:
                 fx.append(Deny(op.reply_conn, errors.ParkFailed(f"park of {w.name}: {reason}")))
+        return fx + self._reconcile(gpu, now)
+
+    def _frozen(self, gpu: Gpu, op: Op, report: ParkReport, now: float) -> list[Effect]:
+        # A freeze ended: locked, its memory stays (`slicer.fit`); a failed lock faults
+        # it like a failed park (the GPU stays taken).
+        w = op.workload
+        failed = report.tool is not None and not report.tool.ok and any(report.alive)
+        if report.error or report.tool is None or failed:
+            reason = report.tool.reason if failed and report.tool else "park-error"
+            text = (report.tool.text if failed and report.tool else report.error) or reason
+            w.check(WState.FAULTED)
+            gpu.op = None
+            w.op_procs, w.op_bytes = (), 0
+            out = self._fault(w, reason, text, now)
+            if op.reply_conn is not None:
+                out.append(Deny(op.reply_conn, errors.ParkFailed(f"park of {w.name}: {reason}")))
+            return out + self._reconcile(gpu, now)
+        w.to(WState.FROZEN)
+        gpu.op = None
+        w.frozen_procs, w.op_procs, w.op_bytes = report.procs, (), 0
+        w.freezes += 1
+        self.totals["freezes"] += 1
+        fx: list[Effect] = [event("frozen", w, now, freeze_ms=report.ms, bytes=report.before)]
+        fx.append(Persist())
+        if op.reply_conn is not None:
+            fx.append(Reply(op.reply_conn, {"parked": "1", "park_ms": str(report.ms)}))
         return fx + self._reconcile(gpu, now)
 
     def _cooperative_next(self, op: Op, reason: str, text: str, now: float) -> list[Effect]:
@@ -522,6 +575,11 @@ class SlicerState:
                 fx.append(Deny(waiter.conn, errors.RestoreFailed(f"{w.name}: {reason}")))
             return fx + self._reconcile(gpu, now)
         w.to(WState.IDLE)
+        if w.frozen_procs:  # a thaw: unlocked, its memory never left
+            w.frozen_procs = ()
+            self.totals["thaws"] += 1
+            fx += [Persist(), event("thawed", w, now, thaw_ms=report.ms)]
+            return fx + self._reconcile(gpu, now, verified=w)
         w.restores += 1
         self.totals["restores"] += 1
         w.last_restore_ms, w.parked_bytes, w.parked_procs = report.ms, 0, ()
@@ -553,6 +611,12 @@ class SlicerState:
             free=free,
             foreign_blocks=self.limits.foreign_blocks,
         )
+        frozen = [w for w in self._on_gpu(gpu) if w.state is WState.FROZEN]
+        frozen = [w for w in frozen if w is not op.workload]
+        if block and frozen and all(b.get("reason") == "no-room" for b in block):
+            # No room beside a frozen one: park it (checkpoint) first (`slicer.fit`).
+            gpu.op, gpu.foreign = None, []
+            return self._make(gpu, policy.Move("park", frozen[0]), now)
         if block:
             gpu.op, gpu.foreign = None, block
             return [Recheck(gpu.index, self.limits.recheck_every)]
@@ -675,8 +739,8 @@ class SlicerState:
         self.orphans[w.wid] = w
         if w.state is WState.PARKED:
             fx.append(opstart.reap(w, None, now))
-        # IDLE orphans are parked by _reconcile; PARKING/RESTORING finish first; a FAULTED
-        # one already has its reaper.
+        # IDLE and FROZEN orphans are parked by _reconcile; PARKING/RESTORING finish
+        # first; a FAULTED one already has its reaper.
 
     def _fault(self, w: Workload, reason: str, text: str, now: float) -> list[Effect]:
         w.to(WState.FAULTED)
@@ -719,8 +783,34 @@ class SlicerState:
         settling a recovering workload). It decides (`_decide`, which changes nothing),
         checks the move against the transition table, then makes it. `verified`: the
         backend was just read (or a restore just ended) for that workload."""
+        fx: list[Effect] = []
+        left = preempt.due_in(gpu, now)
+        if left is not None and left <= 0 and gpu.op is None:
+            fx += self._preempt(gpu, now)
+        elif left is not None and gpu.op is None:
+            fx.append(Recheck(gpu.index, max(left, 0.01)))  # look again when it is due
+        # (With an op in flight its end reconciles, and preempts then if due.)
         move = policy.next_move(gpu, self._on_gpu(gpu), now, verified)
-        return self._make(gpu, move, now) if move is not None else []
+        return fx + (self._make(gpu, move, now) if move is not None else [])
+
+    def _preempt(self, gpu: Gpu, now: float) -> list[Effect]:
+        # The turn ends as a RELEASE park=now would end it; the park that follows is a
+        # checkpoint park like any other (`slicer.preempt`).
+        holder = gpu.holder
+        assert holder is not None
+        w = holder.workload
+        w.check(WState.IDLE)
+        fx: list[Effect] = []
+        held_ms = int((now - holder.since) * 1000)
+        end_turn(gpu, now, fx, reason="preempted")
+        w.must_park = True
+        w.preemptions += 1
+        w.preempted_turn = holder.turn
+        self.totals["preemptions"] += 1
+        fx.append(SendPreempted(holder.conn, w.name, holder.turn))
+        what = {"turn_ended": holder.turn, "held_ms": held_ms, "max_turn": w.max_turn}
+        fx.append(event("preempted", w, now, **what))
+        return fx
 
     def _make(self, gpu: Gpu, move: policy.Move, now: float) -> list[Effect]:
         move.check()
@@ -732,7 +822,11 @@ class SlicerState:
                 return opstart.start_recover(gpu, w, next(self._ops), now)
             case "park":
                 timeout = self.limits.registrant_park_timeout
-                return opstart.start_park(gpu, w, next(self._ops), self._asker(w), timeout, now)
+                need = fit.freeze_need(self.limits, gpu, w)
+                asker = self._asker(w)
+                return opstart.start_park(gpu, w, next(self._ops), asker, timeout, now, need)
+            case "thaw":
+                return opstart.start_thaw(gpu, w, next(self._ops), now)
             case "verify":
                 return opstart.start_verify(gpu, w, next(self._ops))
             case "restore":

@@ -67,6 +67,10 @@ def status_body(
                 "parked_pids": [p for p, _ in w.parked_procs],
                 "fallback": w.fallback,
                 "ask": w.ask,
+                "frozen_pids": [p for p, _ in w.frozen_procs],
+                "freezes": w.freezes,
+                "max_turn": w.max_turn,
+                "preemptions": w.preemptions,
                 "recovering": w.recover,
                 "fault_reason": w.fault_reason,
             }

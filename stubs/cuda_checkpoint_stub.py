@@ -40,9 +40,22 @@ such process".
   during an action sets the target's state to ``failed`` and exits 143 / 130.
 - ``FAKEGPU_CC_TOGGLE_ONLY=1`` emulates an r550 driver: ``--help`` has no ``--action``
   and ``--action`` is an unrecognised option (exit 2).
+- ``$FAKEGPU_CUINIT_S`` (seconds, default 0): the fixed driver-initialisation cost
+  (``cuInit``, ~2.7 s per launch on real hardware) that every invocation running an
+  operation (not ``--help`` nor a usage error) pays first, before it looks at the target
+  or the ledger. The fake libcuda (``stubs.fakecuda``) pays it once per process instead:
+  that is the lever.
 - ``$FAKEGPU_CC_LOG``: a file to which each invocation appends one JSON line
-  (``time``, ``argv``, ``pid``, ``op``, ``rc``, ``error``, ``state_before``,
-  ``state_after``, ``duration``).
+  (``time``, ``via`` (``"cli"``; the fake libcuda writes ``"lib"``), ``argv``, ``pid``,
+  ``op``, ``rc`` (exit status), ``code`` (the ``CUresult`` the driver API returns for the
+  same outcome, None when killed), ``error``, ``state_before``, ``state_after``,
+  ``duration`` (of the operation, the start cost excluded), ``caller`` (the pid of the
+  process that paid the start cost), ``cuinit_at`` (``time.monotonic()`` when that
+  process finished paying it) and ``cuinit_s``).
+
+The op logic (``do_action``, ``get_state``) and the log line (``log_call``) are shared
+with the fake libcuda (``stubs.fakecuda.driver``), so the two act identically; each
+failure carries the ``CUresult`` the library returns for it (``ToolError.code``).
 """
 
 from __future__ import annotations
@@ -56,6 +69,7 @@ import sys
 import time
 from types import FrameType
 
+from stubs.fakecuda.results import CUresult
 from stubs.fakegpu import (
     FakeGpuError,
     HostPid,
@@ -74,6 +88,12 @@ TRANSITIONS: dict[str, tuple[str, str]] = {
     "unlock": ("locked", "running"),
 }
 POLL_S = 0.05
+# The CUresult of each outcome (the fake libcuda returns these; see stubs.fakecuda.driver).
+_GONE = CUresult.CUDA_ERROR_NOT_FOUND  # no such process in the caller's namespace, or it exited
+_ILLEGAL = CUresult.CUDA_ERROR_ILLEGAL_STATE  # illegal transition, or the process is failed
+_OOM = CUresult.CUDA_ERROR_OUT_OF_MEMORY  # restore past capacity: stuck checkpointed
+_TIMEOUT = CUresult.CUDA_ERROR_TIMEOUT  # lock past --timeout, or a hang past FAKEGPU_HANG_MAX
+_ENV_ERROR = CUresult.CUDA_ERROR_OPERATING_SYSTEM  # the fake's own setting or ledger is bad
 
 _HEAD = """CUDA checkpoint and restore utility.
 Toggles the state of CUDA within a process between suspended and running.
@@ -104,7 +124,12 @@ _TAIL = """
 
 
 class ToolError(Exception):
-    """A failure the tool reports on stderr with exit status 1."""
+    """A failure the tool reports on stderr with exit status 1; ``code`` is the
+    ``CUresult`` the driver API (the fake libcuda) returns for it."""
+
+    def __init__(self, message: str, code: CUresult) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _Killed(BaseException):
@@ -141,10 +166,22 @@ def _bandwidth() -> float:
     try:
         bandwidth = float(parse_size(text)) if text else 25e9
     except ValueError as exc:
-        raise ToolError(f"bad FAKEGPU_BANDWIDTH: {exc}") from exc
+        raise ToolError(f"bad FAKEGPU_BANDWIDTH: {exc}", _ENV_ERROR) from exc
     if bandwidth <= 0:
-        raise ToolError(f"bad FAKEGPU_BANDWIDTH: {text!r}")
+        raise ToolError(f"bad FAKEGPU_BANDWIDTH: {text!r}", _ENV_ERROR)
     return bandwidth
+
+
+def cuinit_seconds() -> float:
+    """``$FAKEGPU_CUINIT_S``: the fixed driver-initialisation cost in seconds (default 0)."""
+    text = os.environ.get("FAKEGPU_CUINIT_S", "")
+    try:
+        seconds = float(text) if text else 0.0
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also rejects nan
+        raise ToolError(f"bad FAKEGPU_CUINIT_S: {text!r}", _ENV_ERROR)
+    return seconds
 
 
 def _memory(ledger: Ledger, host: HostPid) -> tuple[dict[int, int], dict[int, int]]:
@@ -164,14 +201,15 @@ def _target(ledger: Ledger, pid: int, verb: str) -> tuple[HostPid, float]:
     try:
         host = to_host(pid)
     except FakeGpuError:
-        raise ToolError(f"Could not {verb} process {pid}: no such process") from None
+        raise ToolError(f"Could not {verb} process {pid}: no such process", _GONE) from None
     ident = process_identity(host)
     if ident is None:
-        raise ToolError(f"Could not {verb} process {pid}: no such process")
+        raise ToolError(f"Could not {verb} process {pid}: no such process", _GONE)
     on_device, on_host = _memory(ledger, host)
     if not on_device and not on_host:
         raise ToolError(
-            f"Could not {verb} process {pid}: OPERATION_NOT_SUPPORTED (not a CUDA process)"
+            f"Could not {verb} process {pid}: OPERATION_NOT_SUPPORTED (not a CUDA process)",
+            CUresult.CUDA_ERROR_NOT_SUPPORTED,
         )
     return host, ident
 
@@ -184,19 +222,33 @@ def _await_injection(
     hang_max = float(os.environ.get("FAKEGPU_HANG_MAX", "600"))
     while True:
         if process_identity(host) != ident:
-            raise ToolError(f"Could not {op} process {pid}: process exited")
+            raise ToolError(f"Could not {op} process {pid}: process exited", _GONE)
         kind = ledger.injection(host, op)
         if kind is None:
             return
         if kind == "fail":
             ledger.set_state(host, "failed")
-            raise ToolError(f"Could not {op} process {pid}: CUDA_ERROR_UNKNOWN (injected)")
+            raise ToolError(
+                f"Could not {op} process {pid}: CUDA_ERROR_UNKNOWN (injected)",
+                CUresult.CUDA_ERROR_UNKNOWN,
+            )
         waited = time.monotonic() - start
         if op == "lock" and timeout_ms is not None and waited * 1000 >= timeout_ms:
-            raise ToolError(f"Could not lock process {pid}: lock timed out after {timeout_ms} ms")
+            raise ToolError(
+                f"Could not lock process {pid}: lock timed out after {timeout_ms} ms", _TIMEOUT
+            )
         if waited >= hang_max:
-            raise ToolError(f"Could not {op} process {pid}: timed out after {hang_max:g} s")
+            raise ToolError(
+                f"Could not {op} process {pid}: timed out after {hang_max:g} s", _TIMEOUT
+            )
         time.sleep(POLL_S)
+
+
+def get_state(ledger: Ledger, pid: int) -> str:
+    """``--get-state``: the state of ``pid`` (in this tool's PID namespace); raises
+    ToolError when it is no live CUDA process."""
+    host, _ = _target(ledger, pid, "get state of")
+    return ledger.state(host)
 
 
 def do_action(ledger: Ledger, pid: int, op: str, timeout_ms: int | None = None) -> None:
@@ -205,14 +257,17 @@ def do_action(ledger: Ledger, pid: int, op: str, timeout_ms: int | None = None) 
     host, ident = _target(ledger, pid, op)
     state = ledger.state(host)
     if state == "failed":
-        raise ToolError(f"Could not {op} process {pid}: process is in failed state")
+        raise ToolError(f"Could not {op} process {pid}: process is in failed state", _ILLEGAL)
     src, dst = TRANSITIONS[op]
     if state != src:
-        raise ToolError(f"Could not {op} process {pid}: process is {state}, expected {src}")
+        raise ToolError(
+            f"Could not {op} process {pid}: process is {state}, expected {src}", _ILLEGAL
+        )
     if op == "restore" and ledger.is_stuck(host):
         raise ToolError(
             f"Could not restore process {pid}: out of memory on an earlier restore;"
-            " process is stuck checkpointed"
+            " process is stuck checkpointed",
+            _OOM,
         )
     _await_injection(ledger, pid, host, ident, op, timeout_ms)
     if op == "checkpoint":
@@ -227,14 +282,17 @@ def do_action(ledger: Ledger, pid: int, op: str, timeout_ms: int | None = None) 
                 ledger.set_stuck(host)
                 raise ToolError(
                     f"Could not restore process {pid}: out of memory (needs"
-                    f" {format_size(nbytes)} on GPU {gpu}, {format_size(free.get(gpu, 0))} free)"
+                    f" {format_size(nbytes)} on GPU {gpu}, {format_size(free.get(gpu, 0))} free)",
+                    _OOM,
                 )
         time.sleep(sum(on_host.values()) / _bandwidth())
         try:
             ledger.move(host, to_device=True)
         except OutOfMemory as exc:
             ledger.set_stuck(host)
-            raise ToolError(f"Could not restore process {pid}: out of memory ({exc})") from exc
+            raise ToolError(
+                f"Could not restore process {pid}: out of memory ({exc})", _OOM
+            ) from exc
     ledger.set_state(host, dst)
 
 
@@ -247,9 +305,50 @@ def do_toggle(ledger: Ledger, pid: int) -> None:
     elif state == "checkpointed":
         steps = ("restore", "unlock")
     else:
-        raise ToolError(f"Could not toggle process {pid}: process is {state}")
+        raise ToolError(f"Could not toggle process {pid}: process is {state}", _ILLEGAL)
     for op in steps:
         do_action(ledger, pid, op)
+
+
+def error_code(exc: Exception) -> CUresult:
+    """The ``CUresult`` of a failure the op logic raised (ToolError or FakeGpuError)."""
+    return exc.code if isinstance(exc, ToolError) else _ENV_ERROR
+
+
+def log_call(
+    *,
+    via: str,
+    argv: list[str] | None,
+    pid: int,
+    op: str,
+    rc: int,
+    code: int | None,
+    error: str | None,
+    before: str | None,
+    started: float,
+    cuinit_at: float,
+    cuinit_s: float,
+) -> None:
+    """Append one call's JSON line to ``$FAKEGPU_CC_LOG`` (no-op when unset); ``started``
+    is the ``time.monotonic()`` at which the operation began."""
+    _log(
+        {
+            "time": time.time(),
+            "via": via,
+            "argv": argv,
+            "pid": pid,
+            "op": op,
+            "rc": rc,
+            "code": code,
+            "error": error,
+            "state_before": before,
+            "state_after": state_or_none(pid),
+            "duration": time.monotonic() - started,
+            "caller": os.getpid(),
+            "cuinit_at": cuinit_at,
+            "cuinit_s": cuinit_s,
+        }
+    )
 
 
 def _log(entry: dict[str, object]) -> None:
@@ -264,7 +363,8 @@ def _log(entry: dict[str, object]) -> None:
         os.close(fd)
 
 
-def _state_or_none(pid: int) -> str | None:
+def state_or_none(pid: int) -> str | None:
+    """The ledger state of ``pid`` for the log, None when there is no ledger."""
     try:
         return Ledger().state(pid)
     except FakeGpuError:
@@ -278,8 +378,7 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 def _run(args: argparse.Namespace, op: str) -> None:
     ledger = Ledger()
     if op == "get-state":
-        host, _ = _target(ledger, args.pid, "get state of")
-        print(ledger.state(host))
+        print(get_state(ledger, args.pid))
         return
     old_term = signal.signal(signal.SIGTERM, _on_signal)
     old_int = signal.signal(signal.SIGINT, _on_signal)
@@ -309,30 +408,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.pid is None:
         parser.error("--pid is required")
     op = ops[0]
-    started = time.monotonic()
-    before = _state_or_none(args.pid)
     rc, error = 0, None
+    code: CUresult | None = CUresult.CUDA_SUCCESS
+    try:
+        cuinit_s = cuinit_seconds()
+    except ToolError as exc:
+        print(f"cuda-checkpoint: {exc}", file=sys.stderr)
+        return 1
+    time.sleep(cuinit_s)  # every launch initialises the driver anew
+    cuinit_at = started = time.monotonic()
+    before = state_or_none(args.pid)
     try:
         _run(args, op)
     except (ToolError, FakeGpuError) as exc:
-        rc, error = 1, str(exc)
+        rc, error, code = 1, str(exc), error_code(exc)
     except _Killed as exc:
-        rc, error = 128 + exc.signum, f"killed by signal {exc.signum} mid-operation"
+        rc, error, code = 128 + exc.signum, f"killed by signal {exc.signum} mid-operation", None
         with contextlib.suppress(FakeGpuError):
             Ledger().set_state(args.pid, "failed")
     if error is not None:
         print(f"cuda-checkpoint: {error}", file=sys.stderr)
-    _log(
-        {
-            "time": time.time(),
-            "argv": argv,
-            "pid": args.pid,
-            "op": op,
-            "rc": rc,
-            "error": error,
-            "state_before": before,
-            "state_after": _state_or_none(args.pid),
-            "duration": time.monotonic() - started,
-        }
+    log_call(
+        via="cli",
+        argv=argv,
+        pid=args.pid,
+        op=op,
+        rc=rc,
+        code=code,
+        error=error,
+        before=before,
+        started=started,
+        cuinit_at=cuinit_at,
+        cuinit_s=cuinit_s,
     )
     return rc

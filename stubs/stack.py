@@ -148,7 +148,10 @@ class Stack:
             extra["FAKEGPU_BANDWIDTH"] = bandwidth
         sock = str(base / "slicer.sock")
         args = ["--socket", sock, *backend, "--state-dir", str(base / "state")]
-        args += ["--log-level", log_level, *flags]
+        # The CLI parker unless a test asks for another: `auto` would load a real libcuda
+        # on a GPU host and point it at the fake GPU's processes.
+        parker = [] if "--parker" in flags else ["--parker", "cli"]
+        args += ["--log-level", log_level, *parker, *flags]
         prefix = [sys.executable]
         if profile:
             prefix += ["-m", "cProfile", "-o", os.path.abspath(profile)]

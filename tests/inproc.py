@@ -181,6 +181,7 @@ class FakeParker:
     gpu: FakeGpu
     path: str = "/usr/bin/cuda-checkpoint"
     has_action: bool = True
+    kind: str = "cli"
     park_outcome: Outcome = field(default_factory=lambda: Outcome(True))
     restore_outcome: Outcome = field(default_factory=lambda: Outcome(True))
     on_park: Any = None

@@ -264,9 +264,9 @@ async def test_async_a_garbled_line_fails_every_later_call_at_once_and_closes(
 
 
 def test_sync_an_unknown_event_verb_is_skipped(scripted: tuple[str, list[bytes]]) -> None:
-    """A newer server's event (the contract's PREEMPTED) between replies changes nothing."""
+    """A newer server's event (an unknown verb) between replies changes nothing."""
     path, script = scripted
-    script += [b"PREEMPTED w turn=3\nOK\n", b"OK\n"]
+    script += [b"MIGRATED w turn=3\nOK\n", b"OK\n"]
     with Slicer(path, "w", timeout=5) as s:
         s.ping()
         s.ping()

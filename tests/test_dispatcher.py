@@ -104,6 +104,14 @@ async def status(http: httpx.AsyncClient) -> dict[str, Any]:
     return body
 
 
+async def accepted(http: httpx.AsyncClient, n: int) -> None:
+    """Return once the dispatcher has accepted `n` requests in all (bounded by the caller).
+    A direct request's POST answers only when it is served, and nothing announces its
+    accept, so /status is read every 10 ms."""
+    while sum((await status(http))["counts"].values()) < n:
+        await trio.sleep(0.01)
+
+
 async def stop(d: Proc) -> None:
     """SIGTERM the dispatcher; it must exit 0."""
     d.proc.send_signal(signal.SIGTERM)
@@ -130,6 +138,9 @@ async def test_revisions_and_a_trainer_alternate_every_result_from_its_weights()
                 async with trio.open_nursery() as n:
                     i = 0
                     for rev in ("r1", "r2", "r3"):
+                        # An unpinned request takes the revision newest when it is accepted:
+                        # the last round's direct POSTs must be in before the next publish.
+                        await accepted(http, i)
                         await publish(stack, http, rev)
                         for k in range(20):
                             body: dict[str, Any] = {"prompt": f"q{i}", "max_tokens": 4}

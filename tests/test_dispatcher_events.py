@@ -164,7 +164,8 @@ async def test_a_turn_as_the_event_stream_tells_it() -> None:
     SIGTERM ends the stream with `closed`."""
     with trio.fail_after(60):
         async with running_stack() as stack, replica(stack) as (_, url):
-            async with dispatcher(stack, url) as (d, http):
+            # A turn that sleeps at its end (lazy: tests/test_dispatcher_lazy_sleep.py).
+            async with dispatcher(stack, url, "--no-lazy-sleep") as (d, http):
                 events: list[dict[str, Any]] = []
                 released = trio.Event()
 

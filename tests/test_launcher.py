@@ -132,6 +132,22 @@ async def test_run_propagates_exit_code_env_and_registration() -> None:
             assert stack.overlaps() == 0
 
 
+async def test_run_max_turn_registers_for_preemption_and_cooperative_is_refused() -> None:
+    with trio.fail_after(30):
+        async with running_stack() as stack:
+            opts = ["--max-turn", "90"]
+            async with launcher(stack, "run", "job", opts, child_code(REPORT)) as lw:
+                report = json.loads(await lw.text(lambda s: s.startswith("{")))
+                assert await lw.wait() == 7
+            assert report["workload"]["max_turn"] == 90.0
+            opts = ["--max-turn", "90", "--park", "cooperative"]
+            async with launcher(stack, "run", "coop", opts, child_code(REPORT)) as lw:
+                assert await lw.wait() == 64
+            assert "--max-turn needs --park checkpoint" in lw.output()
+            assert "coop" not in {w["name"] for w in (await stack.status())["workloads"]}
+            assert stack.overlaps() == 0
+
+
 async def test_trainer_under_launcher_takes_turns_with_another_trainer() -> None:
     trainer = [sys.executable, "-m", "stubs.trainer_stub", "--bytes", "30GiB", "--work", "0.05"]
     with trio.fail_after(60):

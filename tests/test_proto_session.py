@@ -162,7 +162,7 @@ CASES = [
     Case(
         "a newer server's event (an unknown verb) is skipped; the call gets its reply",
         [ping],
-        b"PREEMPTED w turn=3\nBOGUS line -- with text\nOK\n",
+        b"MIGRATED w turn=3\nBOGUS line -- with text\nOK\n",
         [None],
     ),
     malformed(
@@ -290,10 +290,19 @@ def test_a_failed_session_refuses_every_later_call_at_once() -> None:
 def test_unknown_verbs_are_counted_not_queued() -> None:
     s = ClientSession("w")
     call = s.acquire()
-    assert s.receive_data(b"PREEMPTED w turn=3\nNEW_THING x=1\n") == []
+    assert s.receive_data(b"MIGRATED w turn=3\nNEW_THING x=1\n") == []
     s.receive_data(b"OK turn=4 restored=1 waited_ms=0\n")
     assert call.result() == Turn("w", 4, True, 0)
     assert s.skipped == 2 and not s.events and not s.failed
+
+
+def test_preempted_is_an_event_for_the_holder() -> None:
+    s = ClientSession("w")
+    call = s.acquire()
+    s.receive_data(b"OK turn=4 restored=0 waited_ms=0\n")
+    assert call.result().turn == 4
+    assert s.receive_data(b"PREEMPTED w turn=4\n") == [proto.Preempted("w", 4)]
+    assert s.next_event() == proto.Preempted("w", 4) and s.skipped == 0
 
 
 def test_has_abandoned_acquire_until_its_reply_is_read() -> None:

@@ -7,30 +7,15 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Callable
-from typing import Any
 
 import psutil
 import pytest
 import trio
 
-from gpu_slicer import proto
-from gpu_slicer.slicer.client import AsyncSlicer, ClientError, Unreachable
-from tests.harness import GiB, cc_log, running_stack, state_of, workload
+from gpu_slicer.slicer.client import ClientError, Unreachable
+from tests.harness import GiB, cc_log, next_fault, queue_is, running_stack, state_of, workload
 
 pytestmark = pytest.mark.integration
-
-
-def queue_is(names: list[str], gpu: int = 0) -> Callable[[dict[str, Any]], bool]:
-    return lambda st: st["gpus"][gpu]["queue"] == names
-
-
-async def next_fault(client: AsyncSlicer) -> proto.Fault:
-    """The next FAULT line on `client` (WAITING hints before it are skipped)."""
-    while True:
-        msg = await client.next_message()
-        if isinstance(msg, proto.Fault):
-            return msg
 
 
 async def test_dead_holder_is_parked_before_the_next_grant() -> None:

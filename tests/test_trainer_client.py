@@ -25,7 +25,7 @@ import trio
 
 from gpu_slicer.slicer.client import ClientError, Slicer, Turn, Unreachable, socket_path
 from gpu_slicer.slicer.config import DEFAULT_SOCKET
-from tests.harness import GiB, Stack, running_stack, workload
+from tests.harness import GiB, Stack, queue_is, running_stack, workload
 
 pytestmark = pytest.mark.integration
 
@@ -36,10 +36,6 @@ WAIT = 20.0  # every ACQUIRE's own bound (seconds)
 async def sync(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
     """Run a blocking call in a worker thread (abandoned if the test's deadline passes)."""
     return await trio.to_thread.run_sync(functools.partial(fn, *args, **kw), abandon_on_cancel=True)
-
-
-def queue_is(names: list[str], gpu: int = 0) -> Callable[[dict[str, Any]], bool]:
-    return lambda st: st["gpus"][gpu]["queue"] == names
 
 
 def holder_is(name: str | None, gpu: int = 0) -> Callable[[dict[str, Any]], bool]:

@@ -39,9 +39,12 @@ bytes it may keep on device while still counting as not resident (a sleeping vLL
 keeps its CUDA context).
 
 After every mutation that puts bytes on a device (``alloc``, ``move(to_device=True)``)
-the same transaction computes, per touched GPU, the set of resident workloads (live
-on-device bytes summed over the label's pids > the label's allowance). Two or more is
-an *overlap*: it is counted and logged. Tests assert ``Ledger().overlaps() == 0``.
+or lets them run again (``set_state(..., "running")``: an unlock) the same transaction
+computes, per touched GPU, the set of *running* resident workloads (live on-device bytes
+summed over the label's pids > the label's allowance, and not every one of those pids
+``locked``: a frozen workload, fit-aware turns, is resident but runs nothing). Two or
+more is an *overlap*: it is counted and logged. Capacity is never exceeded (``alloc``
+and a restore past it fail). Tests assert ``Ledger().overlaps() == 0``.
 """
 
 from __future__ import annotations
@@ -227,13 +230,16 @@ class Ledger:
     @staticmethod
     def _record_overlaps(con: sqlite3.Connection, gpus: set[int]) -> None:
         allowances = dict(con.execute("SELECT workload, nbytes FROM allowance").fetchall())
+        # A label whose every process holding device memory is locked is *frozen* (fit-
+        # aware turns): resident, but running nothing. Two running ones is the overlap.
         rows = con.execute(
-            "SELECT m.gpu, p.workload, SUM(m.nbytes) FROM mem m JOIN proc p ON m.pid = p.pid"
+            "SELECT m.gpu, p.workload, SUM(m.nbytes), MIN(p.state = 'locked')"
+            " FROM mem m JOIN proc p ON m.pid = p.pid"
             " WHERE m.on_device = 1 GROUP BY m.gpu, p.workload ORDER BY p.workload"
         ).fetchall()
         resident: dict[int, list[str]] = {}
-        for gpu, workload, nbytes in rows:
-            if gpu in gpus and nbytes > allowances.get(workload, 0):
+        for gpu, workload, nbytes, frozen in rows:
+            if gpu in gpus and nbytes > allowances.get(workload, 0) and not frozen:
                 resident.setdefault(gpu, []).append(workload)
         now = time.time()
         for gpu, workloads in sorted(resident.items()):
@@ -397,9 +403,10 @@ class Ledger:
         ``workload`` labels the pid for overlap accounting (default: its current label,
         else ``$FAKEGPU_WORKLOAD``, else ``pid-<pid>``). ``allowance`` sets the label's
         allowance (latest wins; None leaves it as is, 0 if never set). Raises
-        OutOfMemory past capacity and FakeGpuError when the pid is checkpointed or
-        failed; nothing changes on error. A process allocating for itself then holds the
-        GPU's device node open (``device_node``); one on behalf of another opens nothing.
+        OutOfMemory past capacity and FakeGpuError when the pid is checkpointed, failed
+        or locked (its CUDA calls would block); nothing changes on error. A process
+        allocating for itself then holds the GPU's device node open (``device_node``);
+        one on behalf of another opens nothing.
         """
         if nbytes < 0:
             raise FakeGpuError(f"negative allocation: {nbytes}")
@@ -413,7 +420,9 @@ class Ledger:
             on_host = con.execute(
                 "SELECT COUNT(*) FROM mem WHERE pid = ? AND on_device = 0", (pid,)
             ).fetchone()[0]
-            if on_host or state in ("checkpointed", "failed"):
+            # A locked process's CUDA calls block until unlock on the real driver; here an
+            # allocation then is refused, so a wake before a thaw fails loudly.
+            if on_host or state in ("checkpointed", "failed", "locked"):
                 raise FakeGpuError(
                     f"CUDA error: operation not permitted when process {pid} is {state}"
                     + (" (its memory is on host)" if on_host else "")
@@ -481,6 +490,11 @@ class Ledger:
         with self._tx() as con:
             self._ensure_proc(con, pid)
             con.execute("UPDATE proc SET state = ? WHERE pid = ?", (state, pid))
+            if state == "running":  # a thaw: its resident memory runs again
+                gpus = con.execute(
+                    "SELECT DISTINCT gpu FROM mem WHERE pid = ? AND on_device = 1", (pid,)
+                ).fetchall()
+                self._record_overlaps(con, {g for (g,) in gpus})
 
     def set_stuck(self, pid: int, stuck: bool = True) -> None:
         """Mark live ``pid`` as stuck checkpointed (a restore ran out of memory)."""
