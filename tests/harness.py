@@ -37,6 +37,8 @@ __all__ = [
     "GiB",
     "Stack",
     "cc_log",
+    "event_index",
+    "events_until",
     "next_fault",
     "next_of",
     "queue_is",
@@ -77,3 +79,20 @@ async def next_of(client: AsyncSlicer, kind: type[M]) -> M:
 async def next_fault(client: AsyncSlicer) -> proto.Fault:
     """The next FAULT line on `client` (WAITING hints before it are skipped)."""
     return await next_of(client, proto.Fault)
+
+
+async def events_until(
+    watch: AsyncSlicer, pred: Callable[[dict[str, Any]], bool], seen: list[dict[str, Any]]
+) -> None:
+    """Collect slicerd's WATCH events into `seen` until one satisfies `pred`."""
+    while True:
+        msg = await watch.next_message()
+        if isinstance(msg, proto.Event):
+            seen.append(msg.body)
+            if pred(msg.body):
+                return
+
+
+def event_index(seen: list[dict[str, Any]], event: str, name: str) -> int:
+    """The position in `seen` of the first `event` about workload `name`."""
+    return next(i for i, e in enumerate(seen) if e["event"] == event and e["workload"] == name)

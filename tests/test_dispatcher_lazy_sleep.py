@@ -24,8 +24,7 @@ import trio
 from gpu_slicer import proto
 from gpu_slicer.dispatcher.events import follow_events
 from gpu_slicer.dispatcher.vllm import parse_sleep_state
-from gpu_slicer.slicer.client import AsyncSlicer
-from tests.harness import Stack, running_stack, workload
+from tests.harness import Stack, event_index, events_until, running_stack, workload
 from tests.procs import Proc, free_port, spawn
 from tests.test_dispatcher import dispatcher, publish, replica_argv, status, stop, trainer
 from tests.test_dispatcher_sleep_levels import L2_WAKE, assert_real, posts, released
@@ -60,20 +59,6 @@ async def one_request(d: Proc, http: httpx.AsyncClient, prompt: str) -> None:
 
 def count(calls: list[str], call: str) -> int:
     return sum(c == call for c in calls)
-
-
-async def events_until(watch: AsyncSlicer, pred: Any, seen: list[dict[str, Any]]) -> None:
-    """Collect slicerd's WATCH events into `seen` until one satisfies `pred`."""
-    while True:
-        msg = await watch.next_message()
-        if isinstance(msg, proto.Event):
-            seen.append(msg.body)
-            if pred(msg.body):
-                return
-
-
-def index(seen: list[dict[str, Any]], event: str, name: str) -> int:
-    return next(i for i, e in enumerate(seen) if e["event"] == event and e["workload"] == name)
 
 
 def granted_trainer(e: dict[str, Any]) -> bool:
@@ -203,12 +188,12 @@ async def test_a_trainer_asking_gets_the_awake_replica_slept_by_its_launcher(lev
                     await events_until(watch, granted_trainer, seen)
                     assert await tr.wait() == 0, tr.output()
             # Asked, answered, verified parked (by its own sleep: no checkpoint), granted.
-            assert index(seen, "park-asked", "v") < index(seen, "park-answered", "v")
-            assert seen[index(seen, "park-answered", "v")]["ok"] is True, seen
-            parked = seen[index(seen, "parked", "v")]
+            assert event_index(seen, "park-asked", "v") < event_index(seen, "park-answered", "v")
+            assert seen[event_index(seen, "park-answered", "v")]["ok"] is True, seen
+            parked = seen[event_index(seen, "parked", "v")]
             assert parked["how"] == "cooperative", parked
-            assert index(seen, "park-answered", "v") < index(seen, "parked", "v")
-            assert index(seen, "parked", "v") < index(seen, "granted", "trainer")
+            assert event_index(seen, "park-answered", "v") < event_index(seen, "parked", "v")
+            assert event_index(seen, "parked", "v") < event_index(seen, "granted", "trainer")
             assert not any(e["event"] in ("fault", "park-fallback") for e in seen), seen
             assert posts(lw, smark) == [f"POST /sleep?level={level}&mode=abort 200"]
             assert f"parked on slicerd's request: slept (level {level})" in lw.output()
@@ -251,10 +236,10 @@ async def test_a_launcher_that_cannot_sleep_it_in_time_falls_back_to_checkpoint(
                 async with spawn(stack, "trainer", trainer(stack, 1, 0.1)) as tr:
                     await events_until(watch, granted_trainer, seen)
                     assert await tr.wait() == 0, tr.output()
-            assert index(seen, "park-asked", "v") < index(seen, "park-fallback", "v")
-            parked = seen[index(seen, "parked", "v")]
+            assert event_index(seen, "park-asked", "v") < event_index(seen, "park-fallback", "v")
+            parked = seen[event_index(seen, "parked", "v")]
             assert parked["how"] == "checkpoint", parked
-            assert index(seen, "parked", "v") < index(seen, "granted", "trainer")
+            assert event_index(seen, "parked", "v") < event_index(seen, "granted", "trainer")
             assert not any(e["event"] == "fault" for e in seen), seen
             v = workload(await stack.status(), "v")
             assert v is not None and v["state"] == "parked" and v["parked_pids"], v

@@ -21,7 +21,7 @@ import trio
 
 from gpu_slicer import proto
 from gpu_slicer.slicer.client import AsyncSlicer, ClientError
-from tests.harness import GiB, Stack, running_stack, workload
+from tests.harness import GiB, Stack, event_index, events_until, running_stack, workload
 from tests.procs import Proc, spawn
 from tests.test_dispatcher import (
     dispatcher,
@@ -35,20 +35,6 @@ from tests.test_dispatcher import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-async def events_until(watch: AsyncSlicer, pred: Any, seen: list[dict[str, Any]]) -> None:
-    """Collect WATCH events into `seen` until one satisfies `pred`."""
-    while True:
-        msg = await watch.next_message()
-        if isinstance(msg, proto.Event):
-            seen.append(msg.body)
-            if pred(msg.body):
-                return
-
-
-def first(seen: list[dict[str, Any]], event: str, name: str) -> int:
-    return next(i for i, e in enumerate(seen) if e["event"] == event and e["workload"] == name)
 
 
 PHASES = ["wake", "load", "serve", "sleep"]
@@ -116,8 +102,12 @@ async def test_dispatcher_killed_in_any_phase_the_launcher_parks_the_replica(pha
                         seen,
                     )
                     # Asked, answered, verified parked, and only then the trainer.
-                    assert first(seen, "park-answered", "v") < first(seen, "parked", "v")
-                    assert first(seen, "parked", "v") < first(seen, "granted", "trainer")
+                    assert event_index(seen, "park-answered", "v") < event_index(
+                        seen, "parked", "v"
+                    )
+                    assert event_index(seen, "parked", "v") < event_index(
+                        seen, "granted", "trainer"
+                    )
                     assert not any(e["event"] == "fault" for e in seen), seen
                     assert await tr.wait() == 0
             st = await stack.status()
