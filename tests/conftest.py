@@ -21,6 +21,7 @@ an unmarked test is caught too.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Generator
 from typing import Any
@@ -78,6 +79,14 @@ def _check(item: pytest.Item, children_before: set[int] | None = None) -> None:
         found += [f"child process still running: pid {p}" for p in _children() - children_before]
     if found:
         pytest.fail(f"{item.nodeid}: {RULE}; it started:\n  " + "\n  ".join(found[:10]))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build matplotlib's font cache before any test runs: on a machine that never ran it
+    (a fresh CI runner) its first import starts ``fc-list``, which the rule above would
+    charge to whichever unmarked test happened to import it first."""
+    with contextlib.suppress(ImportError):  # without the charts extra: nothing to warm
+        import matplotlib.font_manager  # noqa: F401
 
 
 @pytest.hookimpl(wrapper=True)
