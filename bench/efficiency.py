@@ -60,9 +60,22 @@ its wake (``wake_up?tags=weights``, load, ``wake_up?tags=kv_cache``,
 ``reset_prefix_cache``) copies nothing but the load, which happens at every step anyway:
 nothing is added.
 
+Early starts. The main tables run ``slicer-dispatch --early-start`` with the weights'
+bytes: when slicerd parks the trainer for the sampler it locks it first and, where the
+weights fit beside it, says EARLY; the dispatcher wakes the weights and loads the new
+revision while the trainer's working set is checkpointed, and wakes the KV cache once
+granted. The dispatcher's events mark that stage (``early``, then ``woke`` and
+``load_end`` with ``early: true``, before its ``granted``). A T>S switch with an early
+start has two branches from EARLY on, each real-equivalent on its own (the park, to the
+grant; the wake and load): what follows starts at the later of the two, and the column
+``hidden`` says how much of the wake and load ran beside the park. The fake link moves
+each direction on its own, as PCIe does (full duplex).
+
 Bound. The bytes that must cross the host link, / link: trainer to sampler, the trainer's
 working set out and the new weights in (once); sampler to trainer, the trainer's working
-set back (the sampler's weights need not move: they are replaced at the next wake).
+set back (the sampler's weights need not move: they are replaced at the next wake). On a
+full-duplex link the two directions overlap where the weights fit beside the trainer
+(an early start): the *floor* of such a T>S switch is the larger of the two.
 """
 
 from __future__ import annotations
@@ -116,7 +129,7 @@ from stubs.stack import FAKE_BACKEND  # noqa: E402
 GIB = 1 << 30
 TARGET_OVERHEAD_MS = 5.0
 TARGET_OVERHEAD_FRAC = 0.01
-LEVERS = ("parker", "level", "lazy", "sleep", "early", "batch")  # --levers names
+LEVERS = ("parker", "level", "earlystart", "lazy", "sleep", "early", "batch")  # --levers
 PARTS = ("park", "restore", "wake", "load", "sleep", "cuinit", "tool_start", "overhead")
 
 POOL_COMMAND = ".venv/bin/python bench/pool.py"  # what `make bench` runs (its report)
@@ -434,13 +447,14 @@ async def _client(url: str, revisions: list[str], s: Scenario, mode: str, gap_s:
 
 async def run_loop(s: Scenario, *, turn_seconds: float | None = None, mode: str = "batch",
                    gap_s: float = 0.0, parker: str = "driver", sleep_level: str = "auto",
-                   daemon_flags: Sequence[str] = (),
+                   early: bool = True, daemon_flags: Sequence[str] = (),
                    dispatcher_flags: Sequence[str] = ()) -> Run:  # fmt: skip
     """One full loop (module docstring) of scenario `s`; its raw records. ``parker``:
     slicerd's ``--parker``; ``sleep_level``: the dispatcher's ``--sleep-level`` (left out,
     and recorded as "", when it is "" or this checkout's dispatcher has no such flag);
-    ``daemon_flags`` / ``dispatcher_flags``: more options for slicerd / slicer-dispatch
-    (bench/fit.py's fit-aware turns)."""
+    ``early``: the dispatcher's ``--early-start`` asks for the weights' bytes (else off;
+    left out where the flag is absent); ``daemon_flags`` / ``dispatcher_flags``: more
+    options for slicerd / slicer-dispatch (bench/fit.py's fit-aware turns)."""
     ts = s.turn_seconds if turn_seconds is None else turn_seconds
     if "--sleep-level" not in DISPATCHER_FLAGS:
         sleep_level = ""
@@ -463,6 +477,8 @@ async def run_loop(s: Scenario, *, turn_seconds: float | None = None, mode: str 
             argv += ["--concurrency", "64", "--log-level", "info"]
             if sleep_level:
                 argv += ["--sleep-level", sleep_level]
+            if "--early-start" in DISPATCHER_FLAGS:  # the revisions' files hold no weights
+                argv += ["--early-start", str(s.weights) if early else "off"]
             argv += dispatcher_flags
             procs.children["dispatcher"] = spawn(argv, env, dlog)
             await _until("the dispatcher", _has_line(dlog, "listening on"), 30, procs, base)
@@ -528,11 +544,42 @@ class Switch:
     bytes_moved: int = 0  # by cuda-checkpoint
     wake_copies: bool = True  # a level-1 wake (weights back from host RAM)
     sleep_level: int = 1
+    # An early start (T>S): the sampler's wake and load before its grant, beside the park.
+    early: EarlyStage | None = None
+    grant_at: float = 0.0  # the sampler's grant, seconds after the switch began
 
     @property
     def overhead(self) -> float:
         parts = self.park + self.restore + self.tool_start + self.wake + self.load + self.sleep
-        return self.wall - parts - self.cuinit
+        if self.early is None:
+            return self.wall - parts - self.cuinit
+        # slicerd's time before the grant beyond the park, and the dispatcher's after the
+        # join (grant and early stage both done) beyond the post-grant wake and load; the
+        # early stage itself ran beside the park.
+        before = self.grant_at - self.park - self.tool_start - self.cuinit
+        return before + self.wall - self.join - self.wake - self.load
+
+    @property
+    def join(self) -> float:
+        """When both the grant and the early stage were done (seconds into the switch)."""
+        e = self.early
+        return self.grant_at if e is None else max(self.grant_at, e.at + e.length)
+
+
+@dataclass
+class EarlyStage:
+    """The sampler's early start before one grant (dispatcher events ``early``, then
+    ``woke``/``load_end`` with ``early: true``), seconds of the scaled run."""
+
+    at: float  # EARLY arrived (absolute at first, then relative to the switch's start)
+    end: float
+    wake: float = 0.0
+    load: float = 0.0
+    copies: bool = False  # the wake brought level-1 weights back over the link
+
+    @property
+    def length(self) -> float:
+        return self.end - self.at
 
 
 @dataclass
@@ -546,6 +593,7 @@ class SamplerTurn:
     sleep: float = 0.0
     wake_copies: bool = True  # False: the level-2 order (tags=weights, load, tags=kv_cache)
     sleep_level: int = 1
+    early: EarlyStage | None = None  # its early start, before its grant
 
 
 def _tool_time(cc: list[CcCall], lo: float, hi: float, ops: set[str]) -> tuple[float, float]:
@@ -565,11 +613,24 @@ def sampler_turns(run: Run) -> list[SamplerTurn]:
     rels = [e["t"] for e in ev if e["event"] == "released"]
     turns: dict[int, SamplerTurn] = {}
     order: list[int] = []
+    pre: EarlyStage | None = None  # an early start, before the next grant
     for e in run.devents:  # the dispatcher's events (README "Events")
         kind, t, n = e["event"], float(e["t"]), e.get("turn")
+        if kind == "early":
+            pre = EarlyStage(at=t, end=t)
+            continue
+        if pre is not None and (e.get("early") or kind == "early_failed"):
+            pre.end = t
+            if kind == "woke":
+                pre.wake += float(e["duration_s"])
+                pre.copies = bool(e.get("copies"))
+            elif kind == "load_end" and e["ok"]:
+                pre.load += float(e["duration_s"])
+            continue
         if kind == "granted":
             order.append(n)
-            turns[n] = SamplerTurn(granted=t, released=t)
+            turns[n] = SamplerTurn(granted=t, released=t, early=pre)
+            pre = None
             continue
         cur = turns.get(n) if n is not None else None
         if cur is None:
@@ -631,7 +692,10 @@ def analyze(run: Run, s: Scenario, turns: list[SamplerTurn] | None = None) -> di
             continue
         start = max(q, prev_rel)
         sw = Switch("T>S", st.serving - start, wake=st.wake, load=st.load,
-                    wake_copies=st.wake_copies)  # fmt: skip
+                    wake_copies=st.wake_copies, grant_at=st.granted - start)  # fmt: skip
+        if st.early is not None:
+            e = st.early
+            sw.early = EarlyStage(e.at - start, e.end - start, e.wake, e.load, e.copies)
         for p in parked:
             if start <= p["t"] <= st.granted:
                 ms = float(p["park_ms"]) / 1e3
@@ -682,8 +746,27 @@ def analyze(run: Run, s: Scenario, turns: list[SamplerTurn] | None = None) -> di
             "overhead": sw.overhead,
             # What must cross the link (module docstring, "Bound").
             "bound": (sw.bytes_moved + (s.weights if sw.direction == "T>S" else 0)) / s.link,
+            "hidden": 0.0,
         }
+        # The floor on a full-duplex link: where the weights fit beside the trainer (an
+        # early start ran), they cross inward while its working set crosses outward.
+        both = sw.direction == "T>S" and sw.early is not None
+        r["floor"] = max(sw.bytes_moved, s.weights) / s.link if both else r["bound"]
         r["total"] = sum(r[p] for p in PARTS)
+        if sw.early is not None:
+            # Two branches from EARLY on (module docstring, "Early starts"): slicerd's park
+            # to the grant, and the sampler's wake and load; what follows starts at the
+            # later of the two. Each branch stretches by its own modelled parts.
+            e = sw.early
+            e_wake = e.wake + (offload if e.copies else 0.0)
+            e_load = scaled(e.load, s.load_s / k)
+            grant = sw.grant_at + (r["park"] - sw.park) + (r["cuinit"] - sw.cuinit)
+            join = max(grant, e.at + e.length + (e_wake - e.wake) + (e_load - e.load))
+            after = (r["wake"] - sw.wake) + (r["load"] - sw.load)  # the post-grant stretch
+            r["total"] = sw.wall + (join - sw.join) + after
+            r["wake"] += e_wake
+            r["load"] += e_load
+            r["hidden"] = sum(r[p] for p in PARTS) - r["total"]
         r["native"] = r["total"] - r["tool_start"]
         # slicerd's park or restore as it timed it; vLLM's side (sleep, wake, load).
         r["checkpoint"] = r["park"] + r["restore"] + r["cuinit"] + r["tool_start"]
@@ -701,6 +784,7 @@ def analyze(run: Run, s: Scenario, turns: list[SamplerTurn] | None = None) -> di
     useful = useful_t + useful_s
     # An estimate: the same run with every switch exactly at its bound.
     wall_bound = k * useful + sum(real(sw)["bound"] for sw in switches) + idle
+    wall_floor = k * useful + sum(real(sw)["floor"] for sw in switches) + idle
     levels = [int(e.get("level") or 1) for e in run.devents if e["event"] == "slept" and e["ok"]]
     out: dict[str, Any] = {
         "scenario": s.name,
@@ -716,9 +800,11 @@ def analyze(run: Run, s: Scenario, turns: list[SamplerTurn] | None = None) -> di
         "busy_measured": useful / wall if wall > 0 else math.nan,
         "busy_real": k * useful / wall_real if wall_real > 0 else math.nan,
         "busy_bound": k * useful / wall_bound if wall_bound > 0 else math.nan,
+        "busy_floor": k * useful / wall_floor if wall_floor > 0 else math.nan,
         "parker": run.parker,
         "sleep_level": run.sleep_level,
         "sleeps_by_level": {str(n): levels.count(n) for n in (1, 2)},
+        "earlies": int(run.totals.get("earlies", 0)),  # slicerd's early starts
         "wall_real_s": wall_real,
         "idle_s": idle,
         "sampler_turns": len(sts),
@@ -730,7 +816,8 @@ def analyze(run: Run, s: Scenario, turns: list[SamplerTurn] | None = None) -> di
         sel = [sw for sw in switches if d in ("all", sw.direction)]
         reals = [real(sw) for sw in sel]
         row = {p: stats([r[p] * 1e3 for r in reals])
-               for p in (*PARTS, "total", "native", "bound", "checkpoint", "vllm")}  # fmt: skip
+               for p in (*PARTS, "hidden", "total", "native", "bound", "floor", "checkpoint",
+                         "vllm")}  # fmt: skip
         row["overhead_frac"] = stats([r["overhead"] / r["total"] for r in reals if r["total"]])
         row["native_over_bound"] = stats([r["native"] / r["bound"] for r in reals if r["bound"]])
         out["switches"][d] = row
@@ -902,7 +989,11 @@ def settings(res: dict[str, Any]) -> str:
     level = (f"slicer-dispatch `--sleep-level auto` (it chose level 1 at {one} and level 2 at"
              f" {two} turn ends)" if res.get("sleep_level_flag") else
              "slicer-dispatch without `--sleep-level` (not in this checkout: level 1)")  # fmt: skip
-    return f"slicerd `--parker driver` (STATUS: {', '.join(parkers)}), {level}"
+    earlies = sum(r.get("earlies", 0) for r in rows)
+    turns = sum(r["sampler_turns"] for r in rows)
+    early = (f", `--early-start` the weights' bytes (slicerd sent EARLY at {earlies} of {turns}"
+             " sampler turns)" if res.get("early_flag") else "")  # fmt: skip
+    return f"slicerd `--parker driver` (STATUS: {', '.join(parkers)}), {level}{early}"
 
 
 def _find(rows: list[dict[str, Any]], model: str, link: float) -> int | None:
@@ -988,7 +1079,39 @@ def variants_md(res: dict[str, Any]) -> list[str]:
             on, off, ratio = level_cells(a, b)
             out.append(f"| {r['scenario']} | {on} | {off} | {ratio} |")
         out.append("")
+    if "early=off" in v:
+        out += [
+            "## Early starts vs none, at every size\n",
+            "`slicer-dispatch --early-start` (the weights' bytes) vs `--early-start off`, both"
+            " with the main tables' other settings. With an early start slicerd locks the"
+            " trainer, says EARLY, and vLLM wakes its weights and loads the new revision while"
+            " the trainer's working set is checkpointed; where the weights do not fit beside"
+            " the trainer (70B) nothing changes. Real-equivalent ms, p50 of the T>S switch."
+            " The published systems in ANCHORS.md switch serially (park, then wake and load);"
+            " none overlaps the two.\n",
+            "| scenario | early starts | none | none / early |",
+            "|---|---|---|---|",
+        ]
+        for r, o in zip(rows, v["early=off"], strict=False):
+            on, off, ratio = early_cells(r, o)
+            out.append(f"| {r['scenario']} | {on} | {off} | {ratio} |")
+        out.append("")
     return out
+
+
+def early_cells(on: dict[str, Any], off: dict[str, Any]) -> tuple[str, str, str]:
+    """(early-start cell, none cell, ratio): the T>S total, its hidden part, total / bound,
+    and the busy fraction."""
+
+    def cell(r: dict[str, Any]) -> str:
+        t = r["switches"]["T>S"]
+        return (f"T>S {fmt_ms(t['total']['p50'])} (hidden {fmt_ms(t['hidden']['p50'])});"
+                f" total / bound {t['total']['p50'] / max(t['bound']['p50'], 1e-9):.2f};"
+                f" EARLY at {r.get('earlies', 0)} of {r['sampler_turns']} turns;"
+                f" busy {pct(r['busy_real'])}")  # fmt: skip
+
+    ts = [_p50(r, "T>S", "total") for r in (on, off)]
+    return cell(on), cell(off), f"{ts[1] / max(ts[0], 1e-9):.2f}x T>S"
 
 
 def targets_md(res: dict[str, Any]) -> list[str]:
@@ -1002,22 +1125,37 @@ def targets_md(res: dict[str, Any]) -> list[str]:
         l2 = v.get("sleep=2", [])
         alt = (f"; with `--sleep-level 2`: {pct(l2[i]['busy_real'])}"
                if i < len(l2) and not l2[i].get("reused") else "")  # fmt: skip
+        off = v.get("early=off", [])
+        no_early = (f"; without early starts {pct(off[i]['busy_real'])}"
+                    if i < len(off) else "")  # fmt: skip
+        floor = r.get("busy_floor", r["busy_bound"])
+        beyond = (" (beyond the floor: every step moves the trainer's working set out and back"
+                  " in; only fit-aware turns, below, keep it on the GPU)"
+                  if floor < 0.9 and r["busy_real"] < 0.9 else "")  # fmt: skip
         out.append(
             "| busy fraction >= 90% real-equivalent at 8B @ 55 GB/s (was 76.7%; the best"
             " published duty cycle for two jobs sharing GPUs is 71%: llm-d blog \"RL"
-            f" time-slicing\") | {pct(r['busy_real'])} (main settings){alt}; at the bound"
-            f" {pct(r['busy_bound'])} (estimate) | {'PASS' if r['busy_real'] >= 0.9 else 'MISS'} |"
+            f" time-slicing\") | {pct(r['busy_real'])} (main settings){alt}{no_early}; at the"
+            f" bound {pct(r['busy_bound'])}, at the floor {pct(floor)} (estimates){beyond} |"
+            f" {'PASS' if r['busy_real'] >= 0.9 else 'MISS'} |"
         )  # fmt: skip
         t = r["switches"]["T>S"]
         tb = [t["total"][q] / t["bound"][q] for q in ("p50", "p99")]
         nb = t["native_over_bound"]
         verdict = ("PASS" if tb[1] <= 1.2 else "PASS at p50, MISS at p99" if tb[0] <= 1.2
                    else "MISS")  # fmt: skip
+        was = ""
+        if i < len(off):
+            o = off[i]["switches"]["T>S"]
+            was = (f"; without early starts {o['total']['p50'] / o['bound']['p50']:.2f}"
+                   f" ({fmt_ms(o['total']['p50'])} ms)")  # fmt: skip
         out.append(
             "| switch T>S within 1.2x of its bound at 8B @ 55 GB/s (was 1.64x) | total / bound"
             f" {tb[0]:.2f} / {tb[1]:.2f} (p50 / p99; native {nb['p50']:.2f} / {nb['p99']:.2f});"
-            f" of the p50 {fmt_ms(t['total']['p50'])} ms, the weight load is"
-            f" {fmt_ms(t['load']['p50'])} ms, bound {fmt_ms(t['bound']['p50'])} ms | {verdict} |"
+            f" of the p50 {fmt_ms(t['total']['p50'])} ms the weight load is"
+            f" {fmt_ms(t['load']['p50'])} ms, {fmt_ms(t['hidden']['p50'])} ms of wake and load"
+            f" ran beside the park (early starts); bound {fmt_ms(t['bound']['p50'])} ms, floor"
+            f" {fmt_ms(t['floor']['p50'])} ms{was} | {verdict} |"
         )  # fmt: skip
     fit = res.get("fit")
     if fit:  # bench/fit.py --json-file: its own run, section "Fit-aware turns" below
@@ -1072,15 +1210,18 @@ def markdown(res: dict[str, Any], scenarios: list[Scenario]) -> str:
     add("")
     add("## Busy fraction\n")
     add("![busy fraction vs model size](bench/efficiency.png)\n")
-    add(f"Settings: {settings(res)}. `busy at the bound` is an estimate (our arithmetic):"
-        " the same run with every switch taking exactly its bound.\n")  # fmt: skip
-    add("| scenario | busy (real-equiv.) | busy at the bound (estimate) | busy (measured, scaled"
-        " run) | sampler turns | sleeps level 1 / 2 | served (while the trainer ran) |"
-        " trainer wait p50 / p99 (scaled run) |")  # fmt: skip
+    add(f"Settings: {settings(res)}. `busy at the bound` and `at the floor` are estimates"
+        " (our arithmetic): the same run with every switch taking exactly its bound (bytes"
+        " out, then bytes in) or its floor (where an early start overlaps them on the"
+        " full-duplex link, the larger of the two).\n")  # fmt: skip
+    add("| scenario | busy (real-equiv.) | busy at the bound / floor (estimate) | busy"
+        " (measured, scaled run) | sampler turns | sleeps level 1 / 2 | served (while the"
+        " trainer ran) | trainer wait p50 / p99 (scaled run) |")  # fmt: skip
     add("|---|---|---|---|---|---|---|---|")
     for r in res["scenarios"]:
         tw, lvl = r["trainer_wait_ms"], r["sleeps_by_level"]
-        add(f"| {r['scenario']} | {pct(r['busy_real'])} | {pct(r['busy_bound'])} |"
+        floor = pct(r["busy_floor"]) if "busy_floor" in r else "-"
+        add(f"| {r['scenario']} | {pct(r['busy_real'])} | {pct(r['busy_bound'])} / {floor} |"
             f" {pct(r['busy_measured'])} | {r['sampler_turns']} | {lvl['1']} / {lvl['2']} |"
             f" {r['served']}/{r['expected']} ({r['served_shared']}) |"
             f" {fmt_ms(tw['p50'])} / {fmt_ms(tw['p99'])} ms |")  # fmt: skip
@@ -1096,8 +1237,12 @@ def markdown(res: dict[str, Any], scenarios: list[Scenario]) -> str:
         " CLI, starting the Python stub). `native`: total without `tool_start`. Parts whose"
         " modelled share is scaled (park, restore, load) count that share x k and the rest"
         " (process, HTTP, ledger costs) as measured; wake and sleep are the stub's measured"
-        " HTTP calls plus weights / link when the level copies them (level 1).\n")  # fmt: skip
-    parts = (*PARTS, "total", "native", "bound")
+        " HTTP calls plus weights / link when the level copies them (level 1). `hidden`:"
+        " with an early start, the part of the sampler's wake and load (both counted in"
+        " their columns) that ran before its grant, beside the trainer's park, so that"
+        " total = the parts - hidden. `floor`: the bound on a full-duplex link (T>S with an"
+        " early start: the larger of the working set out and the weights in).\n")  # fmt: skip
+    parts = (*PARTS, "hidden", "total", "native", "bound", "floor")
     add("| scenario | dir | n | " + " | ".join(parts) + " | overhead % | native / bound |")
     add("|---|---|---|" + "---|" * (len(parts) + 2))
     for r in res["scenarios"]:
@@ -1149,6 +1294,10 @@ def markdown(res: dict[str, Any], scenarios: list[Scenario]) -> str:
             on, off, ratio = level_cells(v["sleep=2"][i], v["sleep=1"][i])
             add(f"| vLLM sleep level 2 (vs 1; real-equivalent p50 ms): {LEVEL_ANCHOR} | {on} |"
                 f" {off} | {ratio} |")  # fmt: skip
+        if i is not None and i < len(v.get("early=off", [])):
+            on, off, ratio = early_cells(rows[i], v["early=off"][i])
+            add(f"| early start (`--early-start` vs `off`; real-equivalent p50 ms): vLLM wakes"
+                f" and loads beside the trainer's park | {on} | {off} | {ratio} |")  # fmt: skip
         lz = lv.get("lazy")
         if lz:
             on, off = lz["lazy"]["step_cost_ms"]["p50"], lz["now"]["step_cost_ms"]["p50"]
@@ -1279,24 +1428,28 @@ async def run_variants(scenarios: list[Scenario], main: list[dict[str, Any]],
                        which: set[str]) -> dict[str, Any]:  # fmt: skip
     """The switch levers off, at every scenario: ``parker`` (``--parker cli``, vs the
     main tables' driver), ``level`` (``--sleep-level 1`` and ``2``, vs the main tables'
-    auto); each a list parallel to ``scenarios``. Where auto chose one level at every
-    turn end, the main run *is* that level's run (same settings, same choices): it is
-    reused (``"reused": true``) instead of run twice."""
-    runs: list[tuple[str, str, str]] = []  # (name, --parker, --sleep-level)
+    auto), ``earlystart`` (``--early-start off``, vs the main tables' weights); each a
+    list parallel to ``scenarios``. Where auto chose one level at every turn end, the main
+    run *is* that level's run (same settings, same choices): it is reused (``"reused":
+    true``) instead of run twice."""
+    runs: list[tuple[str, str, str, bool]] = []  # (name, --parker, --sleep-level, early)
     if "parker" in which:
-        runs.append(("parker=cli", "cli", "auto"))
+        runs.append(("parker=cli", "cli", "auto", True))
     if "level" in which and "--sleep-level" in DISPATCHER_FLAGS:
-        runs += [("sleep=1", "driver", "1"), ("sleep=2", "driver", "2")]
-    out: dict[str, Any] = {name: [] for name, _, _ in runs}
+        runs += [("sleep=1", "driver", "1", True), ("sleep=2", "driver", "2", True)]
+    if "earlystart" in which and "--early-start" in DISPATCHER_FLAGS:
+        runs.append(("early=off", "driver", "auto", False))
+    out: dict[str, Any] = {name: [] for name, *_ in runs}
     for s, m in zip(scenarios, main, strict=True):
-        for name, parker, level_flag in runs:
+        for name, parker, level_flag, early in runs:
             if name.startswith("sleep="):
                 level = name.split("=")[1]
                 if sum(m["sleeps_by_level"].values()) == m["sleeps_by_level"][level] > 0:
                     out[name].append({**m, "reused": True})
                     continue
             t0 = time.monotonic()
-            r = analyze(await run_loop(s, parker=parker, sleep_level=level_flag), s)
+            run = await run_loop(s, parker=parker, sleep_level=level_flag, early=early)
+            r = analyze(run, s)
             r["run_s"] = time.monotonic() - t0
             _say(r, f"{s.name} {name}")
             out[name].append(r)
@@ -1307,12 +1460,16 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
     DISPATCHER_FLAGS.update(_dispatcher_flags())
     every, lev = load_scenarios(Path(args.config))
     scenarios = every
+    if args.scenarios:  # e.g. "8B@55,0.6B@25"
+        want = {w.replace(" ", "") for w in args.scenarios.split(",")}
+        scenarios = [s for s in every if f"{s.model}@{s.link_gbps:g}" in want]
     if args.quick:
         scenarios = [s for s in scenarios if s.model == scenarios[0].model][:1]
     which = set(args.levers.split(",")) if args.levers else (set() if args.quick else set(LEVERS))
     res: dict[str, Any] = {"scenarios": [], "levers": {}, "variants": {},
                            "cuinit_s": every[0].cuinit_s,
-                           "sleep_level_flag": "--sleep-level" in DISPATCHER_FLAGS}  # fmt: skip
+                           "sleep_level_flag": "--sleep-level" in DISPATCHER_FLAGS,
+                           "early_flag": "--early-start" in DISPATCHER_FLAGS}  # fmt: skip
     for s in scenarios:
         t0 = time.monotonic()
         r = analyze(await run_loop(s), s)
@@ -1368,6 +1525,8 @@ def main() -> int:
     ap.add_argument("--config", default=str(ROOT / "bench" / "scenarios.toml"))
     ap.add_argument("--quick", action="store_true",
                     help="one scenario, no levers (unless --levers names some)")  # fmt: skip
+    ap.add_argument("--scenarios", help="only these scenarios (comma list of MODEL@GBPS, e.g."
+                    " 8B@55; default all)")  # fmt: skip
     ap.add_argument("--levers", help=f"only these levers (comma list of {','.join(LEVERS)};"
                     " default all)")  # fmt: skip
     ap.add_argument("--json", help="write every figure as JSON here")

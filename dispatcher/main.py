@@ -5,6 +5,7 @@
         [--weight-check spans|label] [--max-send-errors N] [--max-load-failures N]
         [--no-check-revision-paths] [--sync normal|full] [--batch-prompts N]
         [--sleep-level auto|1|2] [--lazy-sleep/--no-lazy-sleep] [--lazy-sleep-always]
+        [--early-start auto|off|SIZE]
         [--queue REDIS_URL [--consumer NAME] [--reclaim-idle S] [--result-ttl S]
                            [--ask-patience S]]
 
@@ -43,6 +44,13 @@ bounded by ``registrant_park_timeout``). ``--no-lazy-sleep``: every turn ends wi
 sleep, as before (see :mod:`dispatcher.turns`). ``--lazy-sleep-always`` leaves vLLM awake
 also when another workload waited: slicerd then freezes it beside that one (its
 ``fit_aware``) or has its launcher sleep it.
+
+``--early-start`` (default ``auto``) asks slicerd for an early start at each ACQUIRE:
+when it parks the trainer by checkpoint, it locks it first and, with the bytes free
+beside it, says ``EARLY``; the dispatcher then wakes vLLM's weights and loads the revision
+while the trainer's memory moves off, and wakes the KV cache once granted
+(:mod:`dispatcher.early`). ``auto`` asks for the size of the revision's weight files;
+``off`` never asks; a size (``16GiB``) asks for that. Pool mode asks for none.
 
 ``--sync`` is SQLite's ``PRAGMA synchronous`` for the store: ``normal`` (default) loses
 nothing acknowledged on a process crash, but a power loss may drop the commits since the
@@ -271,6 +279,11 @@ def _bind(listen: str | None, listen_unix: str | None) -> str:
               help="with --lazy-sleep, also leave vLLM awake when another workload waits: "
               "slicerd then freezes it beside the next (slicerd fit_aware) or has the "
               "launcher sleep it")  # fmt: skip
+@click.option("--early-start", default="auto", show_default=True,
+              callback=startup.check_early_start,
+              help="start waking and loading the weights before the grant, while slicerd "
+              "checkpoints the workload before us: auto (the size of the revision's weight "
+              "files), off, or the bytes the weights take on the GPU (e.g. 16GiB)")  # fmt: skip
 @click.option("--log-level", type=click.Choice(startup.LOG_LEVELS, case_sensitive=False),
               default="info", show_default=True)  # fmt: skip
 def main(
@@ -295,6 +308,7 @@ def main(
     sleep_level: str,
     lazy_sleep: bool,
     lazy_sleep_always: bool,
+    early_start: int | None,
     log_level: str,
     queue: str | None,
     consumer: str | None,
@@ -334,6 +348,7 @@ def main(
             sleep_level=sleep_level,
             lazy_sleep=lazy_sleep,
             lazy_always=lazy_sleep_always,
+            early_start=early_start,
         )
         log.info("weight check: %s", weight_check)
         pool_args = None

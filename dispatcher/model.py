@@ -11,13 +11,16 @@ The turn loop (:class:`~dispatcher.turns.TurnLoop`) is always in exactly one
 :class:`Phase`. ``GET /status`` shows it as ``state`` and ``GET /v1/events`` publishes
 every change of it. One turn, while anything is pending::
 
-    IDLE/BACKOFF -> ACQUIRING -> [RECOVERING ->] WAKING -> (LOADING | SERVING)*
-                 -> [GRACE ->] SLEEPING -> RELEASING -> IDLE
+    IDLE/BACKOFF -> ACQUIRING -> [PREPARING ->] [RECOVERING ->] WAKING
+                 -> (LOADING | SERVING)* -> [GRACE ->] SLEEPING -> RELEASING -> IDLE
 
 * ``IDLE``: nothing pending (or a turn just ended). ``BACKOFF``: a turn failed, or every
   pending revision's load is backed off; no turn is asked for meanwhile.
 * ``ACQUIRING``: ACQUIRE sent, waiting for slicerd's grant; not granted within
   ``acquire_wait`` asks again, an error backs off, and nothing pending any more idles.
+* ``PREPARING``: still waiting for the grant, but slicerd sent ``EARLY`` (an early start,
+  :mod:`dispatcher.early`): the weights are woken and loaded while the workload before
+  us is checkpointed; the KV cache waits for the grant.
 * ``RECOVERING`` (first sight of the replica, or after a broken load or a replica
   error), then ``WAKING``: the turn is held.
 * ``LOADING`` a revision whole (never with a send in flight) and ``SERVING`` its
@@ -75,6 +78,7 @@ class Phase(StrEnum):
     IDLE = "idle"
     BACKOFF = "backoff"
     ACQUIRING = "acquiring"
+    PREPARING = "preparing"
     RECOVERING = "recovering"
     WAKING = "waking"
     LOADING = "loading"
@@ -86,14 +90,19 @@ class Phase(StrEnum):
 
 _IN_TURN = {Phase.RECOVERING, Phase.WAKING, Phase.LOADING, Phase.SERVING, Phase.GRACE}
 
+_AFTER_ACQUIRE = frozenset(
+    {Phase.IDLE, Phase.BACKOFF, Phase.ACQUIRING, Phase.PREPARING, Phase.RECOVERING}
+    | {Phase.WAKING, Phase.SLEEPING}
+)
+
 #: The legal phase changes: ``TRANSITIONS[old]`` holds every ``new`` allowed after
 #: ``old``. A phase listed after itself may be entered again (no change, no event).
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.IDLE: frozenset({Phase.IDLE, Phase.BACKOFF, Phase.ACQUIRING}),
     Phase.BACKOFF: frozenset({Phase.IDLE, Phase.BACKOFF, Phase.ACQUIRING}),
-    Phase.ACQUIRING: frozenset(
-        {Phase.IDLE, Phase.BACKOFF, Phase.ACQUIRING, Phase.RECOVERING, Phase.WAKING, Phase.SLEEPING}
-    ),
+    Phase.ACQUIRING: _AFTER_ACQUIRE,
+    # An early start: what follows is what follows ACQUIRING (granted, or not).
+    Phase.PREPARING: _AFTER_ACQUIRE,
     Phase.RECOVERING: frozenset({Phase.WAKING, Phase.SLEEPING}),
     # RELEASING straight from a turn's phases: a lazy release (--lazy-sleep) leaves vLLM
     # awake when nobody else asked for the GPU.
@@ -144,6 +153,9 @@ class TurnConfig:
     # ... also when another workload waited (--lazy-sleep-always): slicerd decides, by
     # freezing it beside the next (fit_aware) or having its launcher sleep it.
     lazy_always: bool = False
+    # Early starts (slicer-dispatch --early-start, `dispatcher.early`): the bytes ACQUIRE
+    # asks for with early= (0: never; None: the weight files of the revision to load, auto).
+    early_start: int | None = 0
 
     def __post_init__(self) -> None:
         if self.weight_check not in WEIGHT_CHECKS:
@@ -152,6 +164,8 @@ class TurnConfig:
             )
         if self.sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {self.sleep_level!r}")
+        if self.early_start is not None and self.early_start < 0:
+            raise ValueError(f"early_start must be >= 0 bytes or None, got {self.early_start!r}")
         for name in ("max_send_errors", "max_load_failures", "batch_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
@@ -223,6 +237,8 @@ class Counters:
     sleeps_level2: int = 0  # ... level 2 (weights dropped; the next wake loads them)
     lazy_releases: int = 0  # turns ended without a sleep: nobody else wanted the GPU
     wakes_skipped: int = 0  # turns that found the replica still awake: no wake, no load
+    early_starts: int = 0  # EARLY received: weights woken (and loaded) before the grant
+    early_failed: int = 0  # early starts whose wake or load failed (the turn redoes them)
     rejects: Counter[str] = field(default_factory=Counter)
 
 

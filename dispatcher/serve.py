@@ -10,7 +10,7 @@ acquires, wakes, sleeps or releases, and changes the loop's phase only through t
 
 Inside a turn (:meth:`Serving.serve`)::
 
-    loop:  revision = _choose()                    core.next_revision, preferring the
+    loop:  revision = choose()                     core.next_revision, preferring the
                                                    loaded one (no reload)
            _load(revision) as a whole              <= load_timeout, only with no send
                                                    in flight; after a level-2 sleep
@@ -65,7 +65,7 @@ is failed with an error that starts with ``SEND_FAILED`` and names the sample, p
 revision and the last error.
 
 One bad revision cannot stall the others: a failed load backs that revision off on its
-own (``LOAD_BACKOFF_MIN_S`` doubling to ``LOAD_BACKOFF_MAX_S``; :meth:`Serving._choose`
+own (``LOAD_BACKOFF_MIN_S`` doubling to ``LOAD_BACKOFF_MAX_S``; :meth:`Serving.choose`
 skips it meanwhile, so other revisions are loaded and served), and the turn ends as after
 any broken load (the next one recovers the replica first). A load that a replica still
 healthy right after refused with an HTTP error is the revision's fault (a path deleted by
@@ -281,7 +281,7 @@ class Serving:
             return None
         return max(0.0, min(self._load_backoff[r].retry_at for r in revs) - now)
 
-    def _choose(self, now: float) -> str | None:
+    def choose(self, now: float) -> str | None:
         """The revision to work on: core.next_revision over the revisions not backed off,
         unless the loaded one has only requests that wait for a retry while another
         revision has work. None: nothing may be served now."""
@@ -323,7 +323,7 @@ class Serving:
                 if pending == 0:
                     reason = "idle"
                     break
-                want = self._choose(now)
+                want = self.choose(now)
                 if want is None and not self._in_flight:
                     reason = "backoff"  # every pending revision's load is backed off
                     break
@@ -361,34 +361,45 @@ class Serving:
 
     async def _load(self, cur: TurnState, revision: str) -> None:
         self._enter(Phase.LOADING)
-        n = cur.turn.turn
+        try:
+            await self.load_whole(cur.turn.turn, revision)
+        except ReplicaError:
+            cur.load_broke = True
+            raise
+        if self.replica.kv_asleep:
+            await self.wake_kv_cache(cur)
+
+    async def load_whole(self, n: int | None, revision: str) -> None:
+        """Load ``revision`` as a whole in turn ``n`` (None: an early start, before the
+        grant: :mod:`dispatcher.early`), with its events and counters; a failure backs the
+        revision off (module docstring) and raises ReplicaError. The KV cache of a
+        level-2 wake stays asleep: the caller wakes it."""
         rev = self.store.revision(revision)
         t0 = time.monotonic()
-        log.info("turn %d: loading revision %s from %s", n, revision, rev.path)
-        self.events.publish("load_begin", turn=n, revision=revision, path=rev.path)
+        when = "early start" if n is None else f"turn {n}"
+        at: dict[str, Any] = {"turn": n} if n is not None else {"turn": None, "early": True}
+        log.info("%s: loading revision %s from %s", when, revision, rev.path)
+        self.events.publish("load_begin", revision=revision, path=rev.path, **at)
         try:
             await self.replica.load(revision, rev.path, self.cfg.load_timeout)
         except ReplicaError as e:
-            self._load_end(n, revision, t0, str(e))
+            self._load_end(at, revision, t0, str(e))
             self.counters.load_failures += 1
-            cur.load_broke = True
             # A refusal by a replica still healthy right after is the revision's fault;
             # no answer, or a replica that died with the load, is the replica's.
             refused = e.status is not None and await self.replica.health(LOAD_HEALTH_TIMEOUT_S)
             self._load_failed(revision, rev.path, e, refused)
             raise
         except BaseException as e:  # cancelled (the dispatcher stops): the load is no more
-            self._load_end(n, revision, t0, f"{type(e).__name__}: {e}".rstrip(": "))
+            self._load_end(at, revision, t0, f"{type(e).__name__}: {e}".rstrip(": "))
             raise
-        self._load_end(n, revision, t0, None)
+        self._load_end(at, revision, t0, None)
         self._load_backoff.pop(revision, None)
         self.counters.loads += 1
-        log.info("turn %d: loaded revision %s in %.3f s", n, revision,
+        log.info("%s: loaded revision %s in %.3f s", when, revision,
                  time.monotonic() - t0)  # fmt: skip
-        if self.replica.kv_asleep:
-            await self._wake_kv_cache(cur)
 
-    async def _wake_kv_cache(self, cur: TurnState) -> None:
+    async def wake_kv_cache(self, cur: TurnState) -> None:
         """The end of a level-2 wake, once the weights are loaded: wake the KV cache and
         reset the prefix cache. A failure marks the replica failed (the turn ends; the
         weights count as unknown, so the next turn wakes in the same order and loads)."""
@@ -406,11 +417,11 @@ class Serving:
         self.events.publish("woke", turn=n, duration_s=round(time.monotonic() - t0, 6),
                             tags=["kv_cache"])  # fmt: skip
 
-    def _load_end(self, n: int, revision: str, t0: float, error: str | None) -> None:
+    def _load_end(self, at: dict[str, Any], revision: str, t0: float, error: str | None) -> None:
         took = round(time.monotonic() - t0, 6)
         extra = {} if error is None else {"error": error}
-        self.events.publish("load_end", turn=n, revision=revision, ok=error is None,
-                            duration_s=took, **extra)  # fmt: skip
+        self.events.publish("load_end", revision=revision, ok=error is None,
+                            duration_s=took, **at, **extra)  # fmt: skip
 
     def _load_failed(self, revision: str, path: str, e: ReplicaError, refused: bool) -> None:
         """Back ``revision`` off after a failed load; after ``max_load_failures`` refusals

@@ -150,6 +150,24 @@ def check_consumer(_ctx: click.Context, _param: click.Parameter, value: str | No
     return value
 
 
+def check_early_start(_ctx: click.Context, _param: click.Parameter, value: str) -> int | None:
+    """``--early-start``: ``auto`` (None: the revision's weight files), ``off`` (0), or a
+    size in bytes (``16GiB``; B, KiB, MiB, GiB, up to slicerd's limit)."""
+    if value == "auto":
+        return None
+    if value == "off":
+        return 0
+    try:
+        size = proto.parse_size(value)
+    except proto.ProtocolError:
+        raise click.BadParameter(
+            f"{value!r:.60} is not auto, off or a size such as 16GiB (B, KiB, MiB, GiB)"
+        ) from None
+    if size > proto.EARLY_LIMIT:
+        raise click.BadParameter(f"{value!r:.60} is over {proto.format_size(proto.EARLY_LIMIT)}")
+    return size
+
+
 def check_name(_ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """``--workload``/``--pool``: the names' rule of slicerd and the store."""
     if value is not None:

@@ -116,6 +116,7 @@ import trio
 from gpu_slicer import proto
 from gpu_slicer.dispatcher.checkpoint import check_checkpoint_dir, check_path_text
 from gpu_slicer.dispatcher.core import sleep_level
+from gpu_slicer.dispatcher.early import EarlyStart
 from gpu_slicer.dispatcher.errors import (
     BadRequest,
     DispatchError,
@@ -152,7 +153,7 @@ from gpu_slicer.dispatcher.recovery import Recovery
 from gpu_slicer.dispatcher.serve import Serving
 from gpu_slicer.dispatcher.store import Staged, Store, check_revision_name
 from gpu_slicer.dispatcher.vllm import CONTROL_TIMEOUT_S, Replica
-from gpu_slicer.slicer.client import AsyncSlicer, ClientError, socket_path
+from gpu_slicer.slicer.client import AsyncSlicer, ClientError, Turn, socket_path
 
 if TYPE_CHECKING:  # pool mode's modules (coredis) load only when a pool is used
     from gpu_slicer.dispatcher.poollink import PoolJournal, PoolLink
@@ -224,6 +225,10 @@ class TurnLoop:
         self.serving = Serving(
             store, replica, cfg, counters=self.counters, events=self.events, enter=self._enter,
             journal=self.journal, on_foreign=self.recovery.foreign, pool=pool,
+        )  # fmt: skip
+        self.early = EarlyStart(
+            cfg, store, replica, self.serving, self.recovery, counters=self.counters,
+            events=self.events, enter=self._enter, off=pool is not None,
         )  # fmt: skip
         if pool is not None:
             pool.bind(self.serving.signal, self._figures,
@@ -550,7 +555,7 @@ class TurnLoop:
             wait = self.cfg.acquire_wait
             if self.pool is not None:  # ask again soon: others may serve the backlog first
                 wait = min(wait, self.pool.acquire_wait)
-            turn = await slicer.acquire(self.cfg.workload, wait=wait)
+            turn = await self._acquire(slicer, wait)
         except ClientError as e:
             if e.code == "timeout":
                 self.health.ok(Check.DAEMON)
@@ -570,8 +575,8 @@ class TurnLoop:
         self.health.ok(Check.DAEMON)
         self.health.ok(Check.WORKLOAD)
         cur = TurnState(turn)
-        early = [m for m in slicer.events if isinstance(m, proto.Waiting) and m.turn == turn.turn]
-        if early:
+        told = [m for m in slicer.events if isinstance(m, proto.Waiting) and m.turn == turn.turn]
+        if told:
             cur.waiting_seen_at = trio.current_time()
         slicer.events.clear()
         self._current, self.turn = cur, turn.turn
@@ -580,9 +585,9 @@ class TurnLoop:
                  time.monotonic() - t0, turn.restored)  # fmt: skip
         self.events.publish("granted", turn=turn.turn, wait_s=_since(t0),
                             restored=turn.restored)  # fmt: skip
-        if early:  # told with the grant: the turn's end window opens now
-            log.info("turn %d: WAITING (%d waiter(s))", turn.turn, early[0].waiters)
-            self.events.publish("waiting", turn=turn.turn, waiters=early[0].waiters)
+        if told:  # told with the grant: the turn's end window opens now
+            log.info("turn %d: WAITING (%d waiter(s))", turn.turn, told[0].waiters)
+            self.events.publish("waiting", turn=turn.turn, waiters=told[0].waiters)
         reason = "error"
         try:
             async with trio.open_nursery() as nursery:
@@ -593,6 +598,46 @@ class TurnLoop:
         finally:
             with trio.CancelScope(shield=True):
                 await self._end_turn(slicer, cur, reason)
+
+    async def _acquire(self, slicer: AsyncSlicer, wait: float) -> Turn:
+        """ACQUIRE within ``wait`` s, with an early start where one is asked for
+        (:mod:`dispatcher.early`): on slicerd's ``EARLY`` the weights are woken and loaded
+        while the grant is awaited. Returns the grant once the early stage (if any) is
+        over; an ACQUIRE that fails waits for it too (it is bounded) before raising."""
+        nbytes = self.early.asked()
+        if not nbytes:
+            return await slicer.acquire(self.cfg.workload, wait=wait)
+        told: list[int] = []
+        go = trio.Event()
+
+        def on_event(msg: proto.ServerMessage) -> None:
+            if isinstance(msg, proto.Early) and msg.workload == self.cfg.workload and not told:
+                told.append(msg.nbytes)
+                go.set()
+
+        async def early_stage() -> None:
+            await go.wait()
+            await self.early.prepare(told[0])
+
+        failure: ClientError | None = None
+        turn: Turn | None = None
+        slicer.on_event = on_event
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(early_stage)
+                try:
+                    turn = await slicer.acquire(self.cfg.workload, wait=wait, early=nbytes)
+                except ClientError as e:
+                    failure = e
+                if not go.is_set():
+                    nursery.cancel_scope.cancel()  # nothing started: no early stage to wait for
+        finally:
+            slicer.on_event = None
+        if failure is not None:
+            self.early.refused(failure)
+            raise failure
+        assert turn is not None
+        return turn
 
     async def _read_events(self, slicer: AsyncSlicer, cur: TurnState) -> None:
         """Read slicerd's lines during the turn: WAITING marks the turn's end window."""
@@ -621,6 +666,12 @@ class TurnLoop:
             self._enter(Phase.WAKING)
             t0 = time.monotonic()
             if self.replica.awake and await self._still_awake(n):
+                self.health.ok(Check.REPLICA)
+                return
+            if self.replica.kv_asleep and not self.replica.dropped:
+                # An early start (or an ACQUIRE that ended after one) woke the weights and
+                # loaded them: only the KV cache is left (it marks the turn failed itself).
+                await self.serving.wake_kv_cache(cur)
                 self.health.ok(Check.REPLICA)
                 return
             dropped = self.replica.dropped

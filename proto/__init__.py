@@ -14,6 +14,7 @@ from gpu_slicer.proto.errors import ErrorCode, LineTooLong, ProtocolError, Remot
 from gpu_slicer.proto.framing import LineBuffer
 from gpu_slicer.proto.messages import (
     Acquire,
+    Early,
     Err,
     Event,
     Fault,
@@ -40,6 +41,7 @@ from gpu_slicer.proto.replies import parse_server_line
 from gpu_slicer.proto.requests import parse_request
 from gpu_slicer.proto.session import Call, ClientSession, Turn
 from gpu_slicer.proto.values import (
+    EARLY_LIMIT,
     MAX_LINE,
     MAX_SERVER_LINE,
     MAX_TURN_LIMIT,
@@ -52,6 +54,7 @@ from gpu_slicer.proto.values import (
 )
 
 __all__ = [
+    "EARLY_LIMIT",
     "MAX_LINE",
     "MAX_SERVER_LINE",
     "MAX_TURN_LIMIT",
@@ -62,6 +65,7 @@ __all__ = [
     "Call",
     "ClientError",
     "ClientSession",
+    "Early",
     "Err",
     "ErrorCode",
     "Event",

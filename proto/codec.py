@@ -5,6 +5,7 @@ from __future__ import annotations
 from gpu_slicer.proto.errors import ErrorCode, ProtocolError
 from gpu_slicer.proto.messages import (
     Acquire,
+    Early,
     Err,
     Event,
     Fault,
@@ -29,7 +30,7 @@ from gpu_slicer.proto.requests import encode_request
 __all__ = ["encode"]
 
 _REQUESTS = (Hello, Ping, Register, Acquire, Release, Parked, Unregister, Status, Watch)
-_SERVER = (Ok, Err, Fault, Waiting, Preempted, ParkAsk, Event)
+_SERVER = (Ok, Err, Fault, Waiting, Early, Preempted, ParkAsk, Event)
 
 
 def encode(msg: Request | ServerMessage) -> bytes:

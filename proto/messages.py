@@ -17,6 +17,7 @@ from gpu_slicer.proto.values import PROTO_VERSION
 
 __all__ = [
     "Acquire",
+    "Early",
     "Err",
     "Event",
     "Fault",
@@ -103,10 +104,14 @@ class Register:
 
 @dataclass(frozen=True, slots=True)
 class Acquire:
-    """``ACQUIRE <workload> [wait=SECONDS]``: queue for a turn; `wait` None waits forever."""
+    """``ACQUIRE <workload> [wait=SECONDS] [early=BYTES]``: queue for a turn; `wait` None
+    waits forever; `early` (0: none) asks for an early start: the caller can begin with
+    that many bytes of GPU memory while the workload before it is still being parked
+    (see `Early`)."""
 
     workload: str
     wait: float | None = None
+    early: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +203,18 @@ class Waiting:
 
 
 @dataclass(frozen=True, slots=True)
+class Early:
+    """``EARLY <workload> bytes=N``: to the connection whose ``ACQUIRE ... early=N`` waits at
+    the head of the queue: the workload before it is locked (it runs nothing) while the
+    slicer parks it, and N bytes are free beside it: the waiter may start the part of its
+    work that fits in N bytes (vLLM: wake its weights and load them). The grant follows
+    the park; the rest (vLLM: its KV cache) waits for it."""
+
+    workload: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class Preempted:
     """``PREEMPTED <workload> turn=T``: to the holder: turn T was taken back (it was held
     past the workload's ``max_turn`` while another workload waited); the slicer parks the
@@ -226,4 +243,4 @@ class Event:
 
 
 Reply: TypeAlias = Ok | Err
-ServerMessage: TypeAlias = Ok | Err | Fault | Waiting | Preempted | ParkAsk | Event
+ServerMessage: TypeAlias = Ok | Err | Fault | Waiting | Early | Preempted | ParkAsk | Event

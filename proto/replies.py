@@ -1,5 +1,5 @@
-"""Server lines: parsing what a client reads (`Ok`, `Err`, `Fault`, `Waiting`,
-`ParkAsk`, `Event`), and encoding them on the server.
+"""Server lines: parsing what a client reads (`Ok`, `Err`, `Fault`, `Waiting`, `Early`,
+`Preempted`, `ParkAsk`, `Event`), and encoding them on the server.
 
 Lines with a JSON body (``OK {...}`` from STATUS, ``EVENT {...}``) may be up to
 `MAX_SERVER_LINE` bytes; every other server line fits in `MAX_LINE`, human text being
@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from gpu_slicer.proto.errors import ErrorCode, LineTooLong, ProtocolError
 from gpu_slicer.proto.framing import decode_line, split_args, split_tail
 from gpu_slicer.proto.messages import (
+    Early,
     Err,
     Event,
     Fault,
@@ -26,6 +27,7 @@ from gpu_slicer.proto.messages import (
 )
 from gpu_slicer.proto.values import (
     CODE_RE,
+    EARLY_LIMIT,
     INT_MAX,
     MAX_LINE,
     MAX_SERVER_LINE,
@@ -37,7 +39,7 @@ from gpu_slicer.proto.values import (
 
 __all__ = ["encode_server_message", "parse_server_line"]
 
-_SERVER_VERBS = ("OK", "ERR", "FAULT", "WAITING", "PREEMPTED", "PARK", "EVENT")
+_SERVER_VERBS = ("OK", "ERR", "FAULT", "WAITING", "EARLY", "PREEMPTED", "PARK", "EVENT")
 
 
 def parse_server_line(line: bytes) -> ServerMessage:
@@ -59,7 +61,7 @@ def parse_server_line(line: bytes) -> ServerMessage:
             _bad("EVENT: body must be a JSON object")
         return Event(body)
     head, tail = split_tail(rest)
-    if verb in ("WAITING", "PREEMPTED", "PARK") and tail is not None:
+    if verb in ("WAITING", "EARLY", "PREEMPTED", "PARK") and tail is not None:
         _bad(f"{verb}: takes no ' -- ' text")
     positionals, pairs = split_args(verb, head)
     if verb == "ERR":
@@ -78,6 +80,10 @@ def parse_server_line(line: bytes) -> ServerMessage:
             parse_int(verb, "timeout_ms", pairs["timeout_ms"], 0) if "timeout_ms" in pairs else None
         )
         return ParkAsk(workload, turn=turn, timeout_ms=ms)
+    if verb == "EARLY":
+        _known_keys(verb, pairs, ("bytes",))
+        nbytes = parse_int(verb, "bytes", _required(verb, pairs, "bytes"), 1, EARLY_LIMIT)
+        return Early(workload, nbytes=nbytes)
     if verb == "PREEMPTED":
         _known_keys(verb, pairs, ("turn",))
         return Preempted(workload, turn=parse_int(verb, "turn", _required(verb, pairs, "turn"), 1))
@@ -185,6 +191,13 @@ def encode_server_message(msg: ServerMessage) -> bytes:
                 f"waiters={check_int('WAITING', 'waiters', waiters, 0, INT_MAX)}",
             ]
             return _finish("WAITING", words, MAX_LINE)
+        case Early(workload=workload, nbytes=nbytes):
+            words = [
+                "EARLY",
+                _one_name("EARLY", [workload]),
+                f"bytes={check_int('EARLY', 'bytes', nbytes, 1, EARLY_LIMIT)}",
+            ]
+            return _finish("EARLY", words, MAX_LINE)
         case Preempted(workload=workload, turn=turn):
             words = [
                 "PREEMPTED",

@@ -32,6 +32,7 @@ from gpu_slicer.proto.messages import (
 )
 from gpu_slicer.proto.values import (
     CLIENT_RE,
+    EARLY_LIMIT,
     GPU_RE,
     MAX_LINE,
     MAX_TURN_LIMIT,
@@ -65,7 +66,7 @@ _VERBS: dict[str, _Verb] = {
     "REGISTER": _Verb(
         True, ("gpu", "pid", "tree", "park", "parked_max", "fallback", "ask", "max_turn")
     ),
-    "ACQUIRE": _Verb(True, ("wait",)),
+    "ACQUIRE": _Verb(True, ("wait", "early")),
     "RELEASE": _Verb(True, ("turn", "park"), required=("turn",)),
     "PARKED": _Verb(True, ("turn", "ok"), required=("turn",)),
     "UNREGISTER": _Verb(True),
@@ -142,18 +143,7 @@ def _register(workload: str, pairs: dict[str, str]) -> Register:
     park = ParkMode(
         parse_choice("REGISTER", "park", pairs.get("park", "checkpoint"), tuple(ParkMode))
     )
-    parked_max = 0
-    if "parked_max" in pairs:
-        raw = pairs["parked_max"]
-        try:
-            parked_max = parse_size(raw)
-        except ProtocolError as exc:
-            raise ProtocolError(exc.code, f"REGISTER: parked_max: {exc.message}") from None
-        if parked_max > PARKED_MAX_LIMIT:
-            raise ProtocolError(
-                ErrorCode.BAD_ARGUMENT,
-                f"REGISTER: parked_max must be <= {format_size(PARKED_MAX_LIMIT)}, got {raw}",
-            )
+    parked_max = _bytes("REGISTER", "parked_max", pairs, PARKED_MAX_LIMIT)
     fallback = ParkFallback(
         parse_choice("REGISTER", "fallback", pairs.get("fallback", "none"), tuple(ParkFallback))
     )
@@ -190,9 +180,25 @@ def _max_turn(value: float, park: str) -> float:
     return value
 
 
+def _bytes(verb: str, key: str, pairs: dict[str, str], limit: int) -> int:
+    """The size `key` of `pairs` (0 when absent), at most `limit` bytes."""
+    if key not in pairs:
+        return 0
+    raw = pairs[key]
+    try:
+        value = parse_size(raw)
+    except ProtocolError as exc:
+        raise ProtocolError(exc.code, f"{verb}: {key}: {exc.message}") from None
+    if value > limit:
+        raise ProtocolError(
+            ErrorCode.BAD_ARGUMENT, f"{verb}: {key} must be <= {format_size(limit)}, got {raw}"
+        )
+    return value
+
+
 def _acquire(workload: str, pairs: dict[str, str]) -> Acquire:
     wait = parse_seconds("ACQUIRE", "wait", pairs["wait"]) if "wait" in pairs else None
-    return Acquire(workload, wait=wait)
+    return Acquire(workload, wait=wait, early=_bytes("ACQUIRE", "early", pairs, EARLY_LIMIT))
 
 
 def _release(workload: str, pairs: dict[str, str]) -> Release:
@@ -240,10 +246,12 @@ def encode_request(msg: Request) -> bytes:
             words = ["PING"]
         case Register():
             words = _encode_register(msg)
-        case Acquire(workload=workload, wait=wait):
+        case Acquire(workload=workload, wait=wait, early=early):
             words = ["ACQUIRE", _name("ACQUIRE", workload)]
             if wait is not None:
                 words.append(f"wait={check_seconds('ACQUIRE', 'wait', wait)}")
+            if check_int("ACQUIRE", "early", early, 0, EARLY_LIMIT):
+                words.append(f"early={early}")
         case Release(workload=workload, turn=turn, park=park):
             words = [
                 "RELEASE",

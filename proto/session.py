@@ -292,10 +292,13 @@ class ClientSession:
         )
         return self._send(req, _fields)
 
-    def acquire(self, name: str | None = None, wait: float | None = None) -> Call[Turn]:
-        """``ACQUIRE``: its result is the granted `Turn` (`wait` None: no bound)."""
+    def acquire(
+        self, name: str | None = None, wait: float | None = None, early: int = 0
+    ) -> Call[Turn]:
+        """``ACQUIRE``: its result is the granted `Turn` (`wait` None: no bound; `early`
+        bytes: ask for an early start, announced by an `Early` event before the grant)."""
         name = self._name(name)
-        return self._send(Acquire(name, wait), lambda ok: _turn(name, ok))
+        return self._send(Acquire(name, wait, early), lambda ok: _turn(name, ok))
 
     def release(self, turn: Turn, park: str = "lazy") -> Call[dict[str, str]]:
         """``RELEASE`` of `turn` (``park`` ``lazy`` or ``now``)."""

@@ -16,6 +16,7 @@ from gpu_slicer.proto.errors import ErrorCode, ProtocolError
 __all__ = [
     "CLIENT_RE",
     "CODE_RE",
+    "EARLY_LIMIT",
     "GPU_RE",
     "KEY_RE",
     "MAX_LINE",
@@ -37,6 +38,7 @@ MAX_SERVER_LINE = 1024 * 1024
 PROTO_VERSION = 1
 PARKED_MAX_LIMIT = 10 * 1024**3
 MAX_TURN_LIMIT = 86400.0  # REGISTER max_turn=, seconds
+EARLY_LIMIT = 1024**4  # ACQUIRE early=, bytes (1 TiB: more than any one GPU holds)
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 """Workload names; always use ``fullmatch``."""

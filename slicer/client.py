@@ -216,9 +216,10 @@ class Slicer(SessionView):
         max_turn); `name` becomes the default workload of later calls."""
         return self._call(self._session.register(name, **kw), REPLY_TIMEOUT)
 
-    def acquire(self, name: str | None = None, wait: float | None = None) -> Turn:
-        """ACQUIRE: block until granted (or `wait` seconds: ClientError timeout)."""
-        return self._call(self._session.acquire(name, wait), None)
+    def acquire(self, name: str | None = None, wait: float | None = None, early: int = 0) -> Turn:
+        """ACQUIRE: block until granted (or `wait` seconds: ClientError timeout); `early`
+        bytes ask for an early start (the `proto.Early` event; see `on_event`)."""
+        return self._call(self._session.acquire(name, wait, early), None)
 
     def release(self, t: Turn, park: str = "lazy") -> dict[str, str]:
         """RELEASE the turn `t` (`park` "lazy" or "now")."""

@@ -171,9 +171,13 @@ class AsyncCalls(SessionView):
         max_turn); `name` becomes the default workload of later calls."""
         return await self._call(lambda: self._session.register(name, **kw), REPLY_TIMEOUT)
 
-    async def acquire(self, name: str | None = None, wait: float | None = None) -> Turn:
-        """ACQUIRE: wait until granted (or `wait` seconds: ClientError timeout)."""
-        return await self._call(lambda: self._session.acquire(name, wait), None)
+    async def acquire(
+        self, name: str | None = None, wait: float | None = None, early: int = 0
+    ) -> Turn:
+        """ACQUIRE: wait until granted (or `wait` seconds: ClientError timeout); `early`
+        bytes ask for an early start (an `proto.Early` event, before the grant, says
+        they may be used: see `on_event`)."""
+        return await self._call(lambda: self._session.acquire(name, wait, early), None)
 
     async def release(self, t: Turn, park: str = "lazy") -> dict[str, str]:
         """RELEASE the turn `t` (`park` "lazy" or "now")."""

@@ -57,6 +57,10 @@ class Config:
     # workload's known need fits in what is free, keeping `fit_headroom` bytes spare.
     fit_aware: bool = False
     fit_headroom: int = 2 * 1024**3
+    # Early starts (`slicer.early`): a waiter that asked `ACQUIRE ... early=N` may start
+    # the part of its work that fits in N bytes while the workload before it, locked, is
+    # checkpointed (vLLM wakes and loads its weights during the trainer's park).
+    early_start: bool = True
     park_timeout: float = 120.0
     restore_timeout: float = 120.0
     fault_kill_after: float = 60.0

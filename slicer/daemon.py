@@ -94,6 +94,7 @@ async def serve(
             reserved_connections=cfg.reserved_connections,
             fit_aware=cfg.fit_aware,
             fit_headroom=cfg.fit_headroom,
+            early_start=cfg.early_start,
         )
         sm = SlicerState([(d.index, d.uuid) for d in devices], limits)
         # Signals are caught before the socket exists: a SIGTERM the moment it answers (or
@@ -183,6 +184,12 @@ async def _watchdog(every: float) -> None:
     help="Freeze (lock) instead of park when the next workload fits beside (default off).",
 )
 @click.option("--fit-headroom", help="Bytes kept free beside a freeze (e.g. 2GiB; default 2GiB).")
+@click.option(
+    "--early-start/--no-early-start",
+    default=None,
+    help="Let a waiter that asked ACQUIRE early=N start what fits in N bytes while the "
+    "workload before it is checkpointed (default on).",
+)
 @click.option("--park-timeout", type=float)
 @click.option("--restore-timeout", type=float)
 @click.option("--fault-kill-after", type=float)

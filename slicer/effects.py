@@ -54,6 +54,7 @@ class Park:
     parked_max: int
     need: int = 0  # freeze: the free bytes the next workload needs (headroom included)
     locked: bool = False  # checkpoint: the processes are locked already (a frozen one)
+    early: bool = False  # freeze: for the queue head's early start (`slicer.early`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,15 @@ class SendPreempted:
 
 
 @dataclass(frozen=True, slots=True)
+class SendEarly:
+    """Send `EARLY workload bytes=N` to the waiter `conn` (an early start)."""
+
+    conn: ConnId
+    workload: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class SendWaiting:
     """Send `WAITING workload turn=T waiters=N` to the holder `conn`."""
 
@@ -203,6 +213,7 @@ Effect = (
     | Recheck
     | SendFault
     | SendPreempted
+    | SendEarly
     | SendWaiting
     | Reap
     | Kill

@@ -299,6 +299,10 @@ class GpuOps:
         # memory nobody knows of; it is parked the usual way.
         if not parked or not self.parker.has_action or before <= e.parked_max:
             return False
+        if e.early and self.attr.blind:
+            # By elimination the head's early bytes would count against this park: park
+            # it the usual way (`slicer.early`).
+            return False
         try:
             free = self.backend.free_bytes(e.gpu)
         except Exception as ex:  # unread: never freeze on a guess

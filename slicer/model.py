@@ -143,6 +143,10 @@ class Workload:
     # A restore brought its memory back for the waiter at the queue head: its grant
     # says restored=1 (cleared by that grant, or when nobody of it waits any more).
     restored: bool = False
+    # Bytes it was told it may use before its grant (an early start, `slicer.early`):
+    # set when EARLY is sent, cleared by its grant or by the park that follows an early
+    # start abandoned; journaled, so a restart parks it before granting anyone else.
+    early: int = 0
     # A faulted workload's GPU processes are killed at this (monotonic) time, once.
     kill_at: float | None = None
     killed: bool = False
@@ -171,6 +175,8 @@ class Waiter:
     conn: ConnId
     workload: Workload
     since: float
+    early: int = 0  # ACQUIRE early=: bytes it can start with before its grant
+    early_sent: bool = False  # EARLY went out to it
 
 
 @dataclass(slots=True)
@@ -211,6 +217,7 @@ class Op:
     reply_conn: ConnId | None = None
     stage: ParkStage = ParkStage.VERIFY
     need: int = 0  # a VERIFY op: the free bytes the grant needs (a restore's)
+    early: ConnId | None = None  # a freeze for this waiter's early start (`slicer.early`)
 
 
 @dataclass

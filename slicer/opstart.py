@@ -67,12 +67,14 @@ def start_park(
     timeout: float,
     now: float,
     freeze_need: int | None = None,
+    early: ConnId | None = None,
 ) -> list[Effect]:
     """Start parking `w` on `gpu` as op `op_id`; `asker`: who may park it itself;
-    `freeze_need`: freeze it instead when that many bytes are free (`slicer.fit`)."""
+    `freeze_need`: freeze it instead when that many bytes are free (`slicer.fit`), for the
+    early start of waiter `early` when set (`slicer.early`: the checkpoint follows)."""
     frozen = w.state is WState.FROZEN
     w.to(WState.PARKING)
-    op = Op(OpKind.PARK, op_id, w, reply_conn=w.park_reply)
+    op = Op(OpKind.PARK, op_id, w, reply_conn=w.park_reply, early=early)
     unattended = w.holder_died and w.park == "cooperative"
     w.must_park, w.park_reply, w.holder_died = False, None, False
     gpu.op = op
@@ -88,7 +90,10 @@ def start_park(
         fx.append(Park(op_id, w.wid, w.name, gpu.index, "checkpoint", w.parked_max, locked=True))
         return fx
     if freeze_need is not None and not unattended:
-        fx.append(Park(op_id, w.wid, w.name, gpu.index, "freeze", w.parked_max, need=freeze_need))
+        fx.append(
+            Park(op_id, w.wid, w.name, gpu.index, "freeze", w.parked_max, need=freeze_need,
+                 early=early is not None)
+        )  # fmt: skip
         return fx
     # Its holder died mid-turn: what the backend sees now may be half a wake. The
     # registrant parks it (vLLM serialises a sleep after a wake in flight), else

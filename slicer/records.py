@@ -24,6 +24,8 @@ class Limits:
     # Fit-aware turns (`slicer.fit`): freeze instead of park when the next one fits.
     fit_aware: bool = False
     fit_headroom: int = 2 * 1024**3
+    # Early starts (`slicer.early`): honour ACQUIRE early= when the bytes fit.
+    early_start: bool = True
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ workload resumes in:
     faulted                               -> FAULTED, reaped (and killed after the deadline)
     parking with journaled tool processes -> recovering a "park" (ask the driver first)
     parked/restoring with checkpointed    -> recovering a "park" / "restore"
+    an early start under way               -> IDLE, dirty: parked before any grant (held for
+                                             its launcher first)
     memory on the device (or unreadable)  -> IDLE (a cooperative one held for its launcher)
     parked/parking/restoring otherwise    -> PARKED (nothing of it on the device)
     anything else                         -> forgotten
@@ -83,6 +85,13 @@ def resumed(e: dict[str, Any], wid: int) -> Resumed | None:
         w.state, w.recover = WState.PARKING, "park"
         w.op_procs, w.op_bytes = op_procs, int(e.get("op_bytes", 0))
         return Resumed(w)
+    if (early := _opt_int(e.get("early"))) and w.park == "cooperative" and not w.parked_procs:
+        # An early start (`slicer.early`) was under way: it may hold memory, a wake may be
+        # in flight; whatever the GPU shows now, it is parked (registrant, then
+        # cuda-checkpoint) before anyone else is granted.
+        w.state, w.early = WState.IDLE, early
+        w.must_park = w.holder_died = True
+        return Resumed(w, "hold")
     if state in (WState.PARKED, WState.RESTORING) and w.parked_procs:
         w.state = WState(str(state))
         w.recover = "restore" if state == WState.RESTORING else "park"
@@ -133,4 +142,5 @@ def _entry(w: Workload) -> dict[str, Any]:
         "restores": w.restores,
         "faults": w.faults,
         "fault_reason": w.fault_reason,
+        "early": w.early,
     }

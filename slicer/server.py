@@ -63,6 +63,7 @@ from gpu_slicer.slicer.effects import (
     Recover,
     Reply,
     Restore,
+    SendEarly,
     SendFault,
     SendPreempted,
     SendWaiting,
@@ -285,7 +286,7 @@ class Server:
                     fx = self._ops.register(conn, req, now)
                 case proto.Acquire():
                     conn.pending = True
-                    fx = self.sm.acquire(conn.cid, req.workload, now)
+                    fx = self.sm.acquire(conn.cid, req.workload, now, req.early)
                     if req.wait is not None:
                         # The scope exists before the effects run, so a grant among them
                         # cancels it (a stale timer must never expire a later ACQUIRE of
@@ -466,6 +467,10 @@ class Server:
             case SendWaiting():
                 if (c := self.conns.get(e.conn)) is not None:
                     c.send(proto.encode(Waiting(e.workload, e.turn, e.waiters)))
+            case SendEarly():
+                log.info("early start of %s: %d bytes", e.workload, e.nbytes)
+                if (c := self.conns.get(e.conn)) is not None:
+                    c.send(proto.encode(proto.Early(e.workload, e.nbytes)))
             case SendPreempted():
                 log.warning("preempted %s turn=%d (held past its max_turn)", e.workload, e.turn)
                 if (c := self.conns.get(e.conn)) is not None:

@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
-from gpu_slicer.slicer import errors, fit, opstart, policy, preempt, rescue, restart, views
+from gpu_slicer.slicer import early, errors, fit, opstart, policy, preempt, rescue, restart, views
 from gpu_slicer.slicer.effects import (
     ConnId,
     Deny,
@@ -80,7 +80,7 @@ class SlicerState:
         self._ops = itertools.count(1)
         self._wids = itertools.count(1)
         self.totals = {"grants": 0, "parks": 0, "restores": 0, "faults": 0, "preemptions": 0}
-        self.totals |= {"freezes": 0, "thaws": 0}
+        self.totals |= {"freezes": 0, "thaws": 0, "earlies": 0}
         self._per_uid: dict[int, int] = {}
 
     # ---- lookups ---------------------------------------------------------------------
@@ -149,7 +149,9 @@ class SlicerState:
         touched: set[int] = set()
         if info.waiting_on is not None:
             gpu = self.gpus[info.waiting_on]
-            unqueue(gpu, gpu.queue[conn], self.conns)
+            waiter = gpu.queue[conn]
+            fx += early.abandon(waiter, now, "closed")
+            unqueue(gpu, waiter, self.conns)
             touched.add(gpu.index)
         held = holding(self.gpus.values(), conn)
         if held is not None:
@@ -256,8 +258,9 @@ class SlicerState:
         fx += self._reconcile(self.gpus[w.gpu], now)
         return fx
 
-    def acquire(self, conn: ConnId, name: str, now: float) -> list[Effect]:
-        """ACQUIRE: queue `conn` for a turn of workload `name` (FIFO per GPU)."""
+    def acquire(self, conn: ConnId, name: str, now: float, early_bytes: int = 0) -> list[Effect]:
+        """ACQUIRE: queue `conn` for a turn of workload `name` (FIFO per GPU); `early_bytes`
+        (``early=``): what it can start with before its grant (`slicer.early`)."""
         peer = self.conns[conn]
         if peer.waiting_on is not None or holding(self.gpus.values(), conn) is not None:
             raise errors.Busy("this connection already holds or waits for a turn")
@@ -271,7 +274,7 @@ class SlicerState:
         gpu = self.gpus[w.gpu]
         if len(gpu.queue) >= self.limits.max_queue:
             raise errors.LimitReached(f"at most {self.limits.max_queue} waiters per GPU")
-        gpu.queue[conn] = Waiter(conn=conn, workload=w, since=now)
+        gpu.queue[conn] = Waiter(conn=conn, workload=w, since=now, early=early_bytes)
         gpu.waiting[w.wid] = gpu.waiting.get(w.wid, 0) + 1
         peer.waiting_on = gpu.index
         fx: list[Effect] = [event("queued", w, now, position=len(gpu.queue))]
@@ -286,9 +289,10 @@ class SlicerState:
             return []
         gpu = self.gpus[peer.waiting_on]
         waiter = gpu.queue[conn]
+        fx: list[Effect] = early.abandon(waiter, now, "wait-expired")
         unqueue(gpu, waiter, self.conns)
         waited = int((now - waiter.since) * 1000)
-        fx: list[Effect] = [Deny(conn, errors.Timeout(f"not granted within {waited} ms"))]
+        fx.append(Deny(conn, errors.Timeout(f"not granted within {waited} ms")))
         return fx + self._reconcile(gpu, now)
 
     def release(
@@ -396,6 +400,7 @@ class SlicerState:
         w.check(WState.PARKED if ok else WState.FAULTED)
         gpu.op = None
         w.op_procs, w.op_bytes, w.frozen_procs = (), 0, ()
+        w.early = 0  # an abandoned early start: its memory is parked (or faulted) now
         fx: list[Effect] = []
         if ok:
             w.to(WState.PARKED)
@@ -437,10 +442,15 @@ class SlicerState:
         w.frozen_procs, w.op_procs, w.op_bytes = report.procs, (), 0
         w.freezes += 1
         self.totals["freezes"] += 1
-        fx: list[Effect] = [event("frozen", w, now, freeze_ms=report.ms, bytes=report.before)]
+        fx: list[Effect] = [
+            event("frozen", w, now, freeze_ms=report.ms, bytes=report.before, early=bool(op.early))
+        ]
         fx.append(Persist())
         if op.reply_conn is not None:
             fx.append(Reply(op.reply_conn, {"parked": "1", "park_ms": str(report.ms)}))
+        if told := early.send(gpu, op.early, w, now):
+            self.totals["earlies"] += 1
+            fx += told
         return fx + self._reconcile(gpu, now)
 
     def _cooperative_next(self, op: Op, reason: str, text: str, now: float) -> list[Effect]:
@@ -467,7 +477,10 @@ class SlicerState:
         return fx
 
     def _asker(self, w: Workload) -> ConnId | None:
-        # Who can park `w` itself: its connected registrant, if it said ask=1.
+        # Who can park `w` itself: its connected registrant, if it said ask=1. Not after
+        # an early start: a half-woken vLLM's sleep does nothing (`slicer.early`).
+        if w.early:
+            return None
         return w.registrant if w.ask and w.registrant in self.conns else None
 
     def parked_answer(
@@ -531,6 +544,7 @@ class SlicerState:
             w.check(to)
         gpu.op = None
         w.recover = None
+        w.early = 0
         nbytes = w.op_bytes if intent == "park" and w.op_bytes else w.parked_bytes
         w.op_procs, w.op_bytes = (), 0
         fx: list[Effect] = []
@@ -726,6 +740,7 @@ class SlicerState:
         if gpu.holder is not None and gpu.holder.workload is w:
             w.check(WState.IDLE)  # its turn ends too: checked before anything changes
         for waiter in [x for x in gpu.queue.values() if x.workload is w]:
+            fx += early.abandon(waiter, now, "unregistered")
             unqueue(gpu, waiter, self.conns)
             fx.append(Deny(waiter.conn, errors.Gone(f"workload {w.name} was unregistered")))
         if gpu.holder is not None and gpu.holder.workload is w:
@@ -763,6 +778,7 @@ class SlicerState:
         restored = w.state is WState.PARKED or w.restored
         w.to(WState.ACTIVE)
         w.restored = False
+        w.early = 0
         unqueue(gpu, waiter, self.conns)
         turn = next(self._turns)
         w.turn = w.last_turn = turn
@@ -822,9 +838,12 @@ class SlicerState:
                 return opstart.start_recover(gpu, w, next(self._ops), now)
             case "park":
                 timeout = self.limits.registrant_park_timeout
-                need = fit.freeze_need(self.limits, gpu, w)
+                need, for_early = fit.freeze_need(self.limits, gpu, w), None
+                if need is None and (start := early.wanted(self.limits, gpu, w, self._on_gpu(gpu))):
+                    need, for_early = start
                 asker = self._asker(w)
-                return opstart.start_park(gpu, w, next(self._ops), asker, timeout, now, need)
+                op_id = next(self._ops)
+                return opstart.start_park(gpu, w, op_id, asker, timeout, now, need, for_early)
             case "thaw":
                 return opstart.start_thaw(gpu, w, next(self._ops), now)
             case "verify":

@@ -69,6 +69,7 @@ def status_body(
                 "ask": w.ask,
                 "frozen_pids": [p for p, _ in w.frozen_procs],
                 "freezes": w.freezes,
+                "early": w.early,
                 "max_turn": w.max_turn,
                 "preemptions": w.preemptions,
                 "recovering": w.recover,

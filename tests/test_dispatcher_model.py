@@ -30,6 +30,8 @@ WALKS = [
     ["acquiring", "waking", "loading", "loading", "serving", "loading", "serving"],
     ["acquiring", "acquiring", "backoff", "acquiring", "idle", "idle", "backoff", "idle"],
     ["acquiring", "sleeping", "releasing", "idle", "backoff"],  # ended before the wake
+    ["acquiring", "preparing", "waking", "serving"],  # an early start, then granted
+    ["acquiring", "preparing", "acquiring", "preparing", "backoff"],  # not granted
 ]
 
 
@@ -46,8 +48,8 @@ async def _loop(tmp_path: Path) -> AsyncIterator[TurnLoop]:
 
 def test_the_phases_are_the_states_status_shows() -> None:
     assert [p.value for p in Phase] == [
-        "idle", "backoff", "acquiring", "recovering", "waking", "loading", "serving", "grace",
-        "sleeping", "releasing",
+        "idle", "backoff", "acquiring", "preparing", "recovering", "waking", "loading",
+        "serving", "grace", "sleeping", "releasing",
     ]  # fmt: skip
     assert set(TRANSITIONS) == set(Phase)
 

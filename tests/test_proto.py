@@ -11,6 +11,7 @@ from gpu_slicer.proto import (
     PARKED_MAX_LIMIT,
     PROTO_VERSION,
     Acquire,
+    Early,
     Err,
     ErrorCode,
     Event,
@@ -77,6 +78,9 @@ GOOD_REQUESTS: list[tuple[bytes, object]] = [
     (b"ACQUIRE sampler wait=0", Acquire("sampler", wait=0.0)),
     (b"ACQUIRE sampler wait=2.5", Acquire("sampler", wait=2.5)),
     (b"ACQUIRE sampler wait=1e-05", Acquire("sampler", wait=1e-05)),
+    (b"ACQUIRE sampler early=16GiB", Acquire("sampler", early=16 * GIB)),
+    (b"ACQUIRE sampler early=0 wait=1", Acquire("sampler", wait=1.0)),
+    (b"ACQUIRE sampler early=1024GiB", Acquire("sampler", early=1024 * GIB)),
     (b"RELEASE sampler turn=7", Release("sampler", turn=7)),
     (b"RELEASE sampler turn=7 park=lazy", Release("sampler", turn=7)),
     (b"RELEASE sampler park=now turn=7", Release("sampler", 7, ReleasePark.NOW)),
@@ -110,6 +114,8 @@ def test_register_encodes_only_non_default_keys() -> None:
     assert encode(Hello()) == b"HELLO proto=1\n"
     assert encode(Release("a", 3)) == b"RELEASE a turn=3\n"
     assert encode(Acquire("a", wait=0.1)) == b"ACQUIRE a wait=0.1\n"
+    assert encode(Acquire("a", early=GIB)) == b"ACQUIRE a early=1073741824\n"
+    assert encode(Acquire("a", early=0)) == b"ACQUIRE a\n"  # the default is not written
 
 
 E = ErrorCode
@@ -153,6 +159,10 @@ BAD_REQUESTS: list[tuple[bytes, ErrorCode]] = [
     (b"ACQUIRE a wait=1_0", E.BAD_ARGUMENT),
     (b"ACQUIRE a wait=", E.BAD_ARGUMENT),
     (b"REGISTER a parked_max=11GiB", E.BAD_ARGUMENT),
+    (b"ACQUIRE a early=1025GiB", E.BAD_ARGUMENT),
+    (b"ACQUIRE a early=-1", E.BAD_ARGUMENT),
+    (b"ACQUIRE a early=16GB", E.BAD_ARGUMENT),
+    (b"ACQUIRE a early=", E.BAD_ARGUMENT),
     (b"REGISTER a parked_max=10737418241", E.BAD_ARGUMENT),
     (b"REGISTER a parked_max=5XiB", E.BAD_ARGUMENT),
     (b"REGISTER a parked_max=5gib", E.BAD_ARGUMENT),
@@ -253,6 +263,8 @@ BAD_ENCODES: list[tuple[object, ErrorCode]] = [
     (Register("a", gpu="a b"), E.BAD_ARGUMENT),
     (Register("a", parked_max=PARKED_MAX_LIMIT + 1), E.BAD_ARGUMENT),
     (Register("a", parked_max=-1), E.BAD_ARGUMENT),
+    (Acquire("a", early=-1), E.BAD_ARGUMENT),
+    (Acquire("a", early=2**41), E.BAD_ARGUMENT),
     (Acquire("a", wait=float("nan")), E.BAD_ARGUMENT),
     (Acquire("a", wait=-0.5), E.BAD_ARGUMENT),
     (Release("a", turn=0), E.BAD_ARGUMENT),
@@ -429,6 +441,7 @@ SERVER_LINES: list[tuple[bytes, object]] = [
     (b"WAITING sampler turn=7 waiters=1", Waiting("sampler", 7, 1)),
     (b"PARK sampler turn=7 timeout_ms=60000", ParkAsk("sampler", 7, 60000)),
     (b"PARK sampler turn=0", ParkAsk("sampler", 0)),
+    (b"EARLY sampler bytes=17179869184", Early("sampler", 16 * GIB)),
     (
         b'EVENT {"event":"granted","t":12.25,"workload":"a","turn":7}',
         Event({"event": "granted", "t": 12.25, "workload": "a", "turn": 7}),
@@ -502,6 +515,12 @@ BAD_SERVER_LINES: list[tuple[bytes, ErrorCode]] = [
     (b"WAITING a turn=1", E.MISSING_ARGUMENT),
     (b"WAITING a turn=0 waiters=1", E.BAD_ARGUMENT),
     (b"WAITING a turn=1 waiters=1 -- hi", E.BAD_ARGUMENT),
+    (b"EARLY a", E.MISSING_ARGUMENT),
+    (b"EARLY a bytes=0", E.BAD_ARGUMENT),
+    (b"EARLY a bytes=1GiB", E.BAD_ARGUMENT),
+    (b"EARLY a bytes=1 turn=2", E.BAD_ARGUMENT),
+    (b"EARLY a bytes=1 -- hi", E.BAD_ARGUMENT),
+    (b"EARLY bytes=1", E.MISSING_ARGUMENT),
     (b"OK " + b"x" * MAX_SERVER_LINE, E.LINE_TOO_LONG),
 ]
 

@@ -13,6 +13,7 @@ from gpu_slicer.proto import (
     NAME_RE,
     PARKED_MAX_LIMIT,
     Acquire,
+    Early,
     Err,
     ErrorCode,
     Event,
@@ -59,7 +60,7 @@ requests: st.SearchStrategy[Request] = st.one_of(
         park=st.sampled_from(ParkMode),
         parked_max=st.integers(0, PARKED_MAX_LIMIT),
     ),
-    st.builds(Acquire, workload=names, wait=waits),
+    st.builds(Acquire, workload=names, wait=waits, early=st.integers(0, 2**40)),
     st.builds(Release, workload=names, turn=turns, park=st.sampled_from(ReleasePark)),
     st.builds(Unregister, workload=names),
     st.just(Status()),
@@ -92,6 +93,7 @@ server_messages: st.SearchStrategy[ServerMessage] = st.one_of(
     st.builds(Err, code=codes, fields=fields, text=texts),
     st.builds(Fault, workload=names, turn=st.integers(0, 2**63 - 1), reason=codes, text=texts),
     st.builds(Waiting, workload=names, turn=turns, waiters=st.integers(0, 2**63 - 1)),
+    st.builds(Early, workload=names, nbytes=st.integers(1, 2**40)),
     st.builds(Event, body=json_objects),
 )
 

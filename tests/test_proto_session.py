@@ -305,6 +305,19 @@ def test_preempted_is_an_event_for_the_holder() -> None:
     assert s.next_event() == proto.Preempted("w", 4) and s.skipped == 0
 
 
+def test_early_is_an_event_before_the_grant_of_an_acquire_that_asked() -> None:
+    s = ClientSession("w")
+    seen: list[proto.ServerMessage] = []
+    s.on_event = seen.append
+    call = s.acquire(wait=5, early=4096)
+    assert s.data_to_send() == b"ACQUIRE w wait=5.0 early=4096\n"
+    assert s.receive_data(b"EARLY w bytes=4096\n") == [proto.Early("w", 4096)]
+    assert not call.done and seen == [proto.Early("w", 4096)]
+    s.receive_data(b"OK turn=2 restored=1 waited_ms=9\n")
+    assert call.result() == Turn("w", 2, True, 9)
+    assert s.next_event() == proto.Early("w", 4096) and s.skipped == 0
+
+
 def test_has_abandoned_acquire_until_its_reply_is_read() -> None:
     """What the async clients read for in the background: an abandoned ACQUIRE not yet
     answered (a grant then owes a RELEASE)."""

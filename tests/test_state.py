@@ -31,6 +31,7 @@ from gpu_slicer.slicer.effects import (
     Recover,
     Reply,
     Restore,
+    SendEarly,
     SendFault,
     SendWaiting,
     Verify,
@@ -87,6 +88,8 @@ def summary(e: Effect) -> tuple[Any, ...] | None:
             return ("FAULT", e.conn, e.workload, e.turn, e.reason)
         case SendWaiting():
             return ("WAITING", e.conn, e.workload, e.turn, e.waiters)
+        case SendEarly():
+            return ("EARLY", e.conn, e.workload, e.nbytes)
         case Reap():
             return ("reap", e.workload, e.kill_after)
         case Emit() | Persist() | Verify():
@@ -920,7 +923,7 @@ def test_lazy_release_idle_state_and_counters(d: Driver) -> None:
     assert d.gpu(0)["resident"] == "a"
     assert d.gpu(0)["holder"] is None
     totals = {"grants": 1, "parks": 0, "restores": 0, "faults": 0, "preemptions": 0}
-    totals |= {"freezes": 0, "thaws": 0}
+    totals |= {"freezes": 0, "thaws": 0, "earlies": 0}
     assert d.sm.status()["totals"] == totals
     d.acquire(D2, "a")
     assert not any(isinstance(e, Park | Restore) for e in d.effects)

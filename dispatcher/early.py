@@ -1,0 +1,173 @@
+"""Early starts: wake and load the weights while slicerd still parks the workload before us.
+
+A switch from the trainer to this replica used to be serial: slicerd moved the trainer's
+working set to host memory, granted the turn, and only then did the dispatcher wake vLLM
+and load the new weights (a checkpoint read, seconds at 8B). With ``ACQUIRE <w> early=N``
+(:mod:`slicer.early` on slicerd's side) the two overlap: once slicerd has locked the
+trainer and finds N bytes free beside it, it sends ``EARLY <w> bytes=N``, and the
+dispatcher, still waiting for its grant (phase ``PREPARING``), wakes the weights
+(``/wake_up?tags=weights``) and loads the revision its turn will serve first, while the
+trainer is checkpointed. The KV cache, which needs the rest of the GPU, is woken only
+after the grant (``/wake_up?tags=kv_cache``, ``/reset_prefix_cache``), so vLLM still wakes
+in its level-2 order and nothing is sent before the grant.
+
+How many bytes (``slicer-dispatch --early-start auto|off|SIZE``, :func:`asked`): ``auto``
+asks for the size of the weight files (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``)
+of the revision the turn would load first (or of the loaded one, for a level-1 wake that
+only brings the weights back): what vLLM's weights take on the GPU when it serves the
+checkpoint's dtype; a replica that serves another dtype (a quantised one) needs SIZE.
+Nothing is asked when nothing would be loaded or woken (no revision known) or when the
+sizes cannot be read (pool mode before a claim, ``--no-check-revision-paths``).
+slicerd sends EARLY only when it is safe (the ``slicer.early`` docstring); otherwise the
+turn goes as without.
+
+What the early stage does (:meth:`EarlyStart.prepare`; every step bounded as in a turn):
+the replica is recovered when a turn would recover it first (first sight, after a broken
+load, another label at ``/weight_info``: one bare ``finish_weight_update``); a replica we
+left awake but slicerd reports slept (it asked the launcher to sleep it) is read as in a
+turn (``/metrics``' sleep state); then ``wake_weights`` and, when the wanted
+revision is not the one loaded, a whole load (:meth:`Serving.load_whole
+<dispatcher.serve.Serving.load_whole>`, backoff and counters included). Then it waits
+for the grant; the turn starts with the KV cache's wake (:mod:`dispatcher.turns`).
+
+Failures: a wake or load that fails early is logged, counted (``early_failed``) and left
+to the turn: it recovers the replica and loads again after the grant (the requests stay
+pending). An ACQUIRE that ends without a grant after an early start (``wait=`` ran out,
+slicerd gone) leaves vLLM with its weights on the GPU and its KV cache asleep (a
+``/sleep`` then is a no-op in vLLM); slicerd parks it (the launcher's sleep, then its
+cuda-checkpoint fallback) before it grants anyone else, and the next turn finishes the
+wake from where it stands (``kv_asleep``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import trio
+
+from gpu_slicer.dispatcher.errors import DispatchError, ReplicaError
+from gpu_slicer.dispatcher.events import EventStream
+from gpu_slicer.dispatcher.model import Counters, Phase, TurnConfig
+from gpu_slicer.dispatcher.recovery import Recovery
+from gpu_slicer.dispatcher.serve import Serving
+from gpu_slicer.dispatcher.store import Store
+from gpu_slicer.dispatcher.vllm import CONTROL_TIMEOUT_S, Replica
+from gpu_slicer.proto import ClientError, ErrorCode
+
+__all__ = ["WEIGHT_SUFFIXES", "EarlyStart", "weight_bytes"]
+
+log = logging.getLogger("dispatcher.turns")
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+MAX_ENTRIES = 10_000  # a checkpoint directory holds tens of files; never list forever
+
+
+def weight_bytes(path: str) -> int:
+    """The bytes of the weight files (`WEIGHT_SUFFIXES`) directly in directory `path`;
+    0 when there are none or it cannot be read."""
+    total = 0
+    try:
+        with os.scandir(path) as entries:
+            for i, entry in enumerate(entries):
+                if i >= MAX_ENTRIES:
+                    break
+                if entry.name.endswith(WEIGHT_SUFFIXES) and entry.is_file():
+                    total += entry.stat().st_size
+    except OSError:
+        return 0
+    return total
+
+
+def _since(t0: float) -> float:
+    return round(time.monotonic() - t0, 6)
+
+
+class EarlyStart:
+    """The early stage of one replica's turns (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: TurnConfig,
+        store: Store,
+        replica: Replica,
+        serving: Serving,
+        recovery: Recovery,
+        *,
+        counters: Counters,
+        events: EventStream,
+        enter: Callable[[Phase], None],
+        off: bool = False,
+    ) -> None:
+        self.cfg, self.store, self.replica = cfg, store, replica
+        self.serving, self.recovery = serving, recovery
+        self.counters, self.events, self._enter = counters, events, enter
+        # Pool mode (claims only inside a held turn; ACQUIREs ask again every few
+        # seconds), or a slicerd that refused early= (older than early starts).
+        self.off = off
+        self._sizes: dict[str, int] = {}  # revision -> weight bytes (auto), read once
+
+    def refused(self, e: ClientError) -> None:
+        """An ACQUIRE with ``early=`` failed with `e`: a slicerd that does not know the
+        key (``bad-argument`` naming it) gets no more early starts from this loop."""
+        if e.code == ErrorCode.BAD_ARGUMENT and "early" in str(e) and not self.off:
+            log.warning("slicerd refused ACQUIRE early= (%s): no early starts", e)
+            self.off = True
+
+    def asked(self) -> int:
+        """The bytes to ask for with ``ACQUIRE ... early=`` now (0: no early start)."""
+        if self.off or self.cfg.early_start == 0:
+            return 0
+        if self.cfg.early_start is not None:
+            return self.cfg.early_start
+        try:
+            want = self.serving.choose(trio.current_time()) or self.replica.known_version
+            if want is None:
+                return 0
+            if want not in self._sizes:
+                self._sizes[want] = weight_bytes(self.store.revision(want).path)
+        except DispatchError:
+            return 0  # the store cannot say (it is broken, or the revision is gone)
+        return self._sizes[want]
+
+    async def prepare(self, nbytes: int) -> None:
+        """slicerd said ``EARLY`` (`nbytes` may be used): wake the weights and load the
+        revision the turn will serve first, before the grant. A failure is logged and
+        left to the turn (module docstring); it never raises but for cancellation."""
+        self._enter(Phase.PREPARING)
+        self.counters.early_starts += 1
+        t0 = time.monotonic()
+        log.info("early start: %d bytes free beside the workload being parked", nbytes)
+        self.events.publish("early", bytes=nbytes)
+        try:
+            await self._prepare()
+        except (ReplicaError, DispatchError) as e:
+            self.counters.early_failed += 1
+            self.recovery.needed = True  # what a broken wake or load left is unknown
+            log.warning("early start failed (the turn wakes and loads again): %s", e)
+            self.events.publish("early_failed", error=str(e), duration_s=_since(t0))
+
+    async def _prepare(self) -> None:
+        r = self.replica
+        await self.recovery.check(0)  # a restarted replica: recovered now, as in a turn
+        if self.recovery.needed:
+            t0 = time.monotonic()
+            await r.recover()
+            self.recovery.needed = False
+            log.info("early start: recovered the replica in %.3f s", time.monotonic() - t0)
+            self.events.publish("recovered", turn=None, early=True, duration_s=_since(t0))
+        if r.awake:
+            # We left it awake; slicerd sends EARLY only for a slept one: someone else
+            # (its launcher, asked by slicerd) slept it meanwhile.
+            r.slept_by_other(await r.sleep_state(min(self.cfg.wake_timeout, CONTROL_TIMEOUT_S)))
+        copies = not r.dropped  # a level-1 sleep kept them in host memory: they come back
+        t1 = time.monotonic()
+        await r.wake_weights(self.cfg.wake_timeout)
+        log.info("early start: woke the weights in %.3f s", time.monotonic() - t1)
+        self.events.publish("woke", turn=None, early=True, duration_s=_since(t1),
+                            tags=["weights"], copies=copies)  # fmt: skip
+        want = self.serving.choose(trio.current_time())
+        if want is not None and want != r.known_version:
+            await self.serving.load_whole(None, want)
