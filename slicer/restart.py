@@ -87,8 +87,8 @@ def resumed(e: dict[str, Any], wid: int) -> Resumed | None:
         return Resumed(w)
     if (early := _opt_int(e.get("early"))) and w.park == "cooperative" and not w.parked_procs:
         # An early start (`slicer.early`) was under way: it may hold memory, a wake may be
-        # in flight; whatever the GPU shows now, it is parked (registrant, then
-        # cuda-checkpoint) before anyone else is granted.
+        # in flight; whatever the GPU shows now, it is parked by cuda-checkpoint before
+        # anyone else is granted.
         w.state, w.early = WState.IDLE, early
         w.must_park = w.holder_died = True
         return Resumed(w, "hold")
