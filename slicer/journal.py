@@ -37,6 +37,15 @@ previous document, and recovery from it is correct, record by record:
     restored (IDLE)                 lazy: the restore intent on disk leads recovery to the
                                     driver, which says running: resident, parked before
                                     any grant, as the IDLE record would
+    frozen (locked, memory kept)    lazy: the park's tool intent on disk names the same
+                                    processes; recovery asks the driver (locked: it
+                                    checkpoints them, the park finishes; running: resident)
+    thaw started / thawed           lazy: the freeze on disk leads recovery to the driver,
+                                    whose states say how far the unlock got (locked:
+                                    checkpointed, restored at the next grant; running:
+                                    resident, parked before any other grant)
+    early start (EARLY)             inline, before EARLY leaves: the head may allocate
+                                    once told, and a restart must park it first
     grant / release                 nothing durable changes: no write at all
     fault / forgotten / recovered   inline (rare; a fault must survive a crash)
 

@@ -135,7 +135,9 @@ def start_thaw(gpu: Gpu, w: Workload, op_id: int, now: float) -> list[Effect]:
     op = Op(OpKind.RESTORE, op_id, w)
     gpu.op = op
     return [
-        Persist(),
+        # Lazy: the freeze on disk (a park over the same locked processes) leads recovery
+        # to the driver, whose states say which end the thaw reached (`slicer.journal`).
+        Persist(lazy=True),
         event("thawing", w, now),
         Restore(op.op_id, w.wid, w.name, gpu.index, w.frozen_procs, 0, thaw=True),
     ]

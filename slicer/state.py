@@ -445,7 +445,8 @@ class SlicerState:
         fx: list[Effect] = [
             event("frozen", w, now, freeze_ms=report.ms, bytes=report.before, early=bool(op.early))
         ]
-        fx.append(Persist())
+        # Lazy: the park's tool intent on disk names the same processes (`slicer.journal`).
+        fx.append(Persist(lazy=True))
         if op.reply_conn is not None:
             fx.append(Reply(op.reply_conn, {"parked": "1", "park_ms": str(report.ms)}))
         if told := early.send(gpu, op.early, w, now):
@@ -592,7 +593,7 @@ class SlicerState:
         if w.frozen_procs:  # a thaw: unlocked, its memory never left
             w.frozen_procs = ()
             self.totals["thaws"] += 1
-            fx += [Persist(), event("thawed", w, now, thaw_ms=report.ms)]
+            fx += [Persist(lazy=True), event("thawed", w, now, thaw_ms=report.ms)]
             return fx + self._reconcile(gpu, now, verified=w)
         w.restores += 1
         self.totals["restores"] += 1

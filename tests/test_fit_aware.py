@@ -240,3 +240,38 @@ async def test_a_thaw_cut_by_a_daemon_kill_is_finished_as_an_unlock() -> None:
             await rb.release(tb)
             await rb.aclose()
             assert stack.overlaps() == 0
+
+
+async def test_a_restart_during_a_thaw_settles_it_by_what_the_driver_says() -> None:
+    with trio.fail_after(90):
+        async with running_stack("--fit-aware", "--fit-headroom", "1GiB") as stack:
+            pa, pb, ra, rb = await a_then_b(stack)
+            await turn(ra, "a")  # b frozen beside a
+            assert stack.ledger.state(pb) == "locked"
+            stack.ledger.inject(pb, "unlock", hang=True)
+            async with trio.open_nursery() as n:
+                n.start_soon(rb.acquire, "b")  # a is frozen, b's thaw hangs in its unlock
+                await stack.until(state_of("b", "restoring"))
+                n.cancel_scope.cancel()  # before the kill: the ACQUIRE would fail with it
+            await stack.stop(signal.SIGKILL)
+            await ra.aclose()
+            await rb.aclose()
+            stack.ledger.clear_injection(pb)
+            await stack.start()
+            # Whichever record the crash left (the freeze, or the thaw started: both are
+            # written lazily), the driver's states settle it: a, still locked, is
+            # checkpointed (the park under way); b is checkpointed too, unlocked first or
+            # not (an orphan now: parked before anyone is granted).
+            await stack.until(lambda st: (workload(st, "a") or {}).get("state") == "parked"
+                              and (workload(st, "b") or {}).get("state") == "parked")  # fmt: skip
+            assert stack.ledger.state(pa) == "checkpointed"
+            assert stack.ledger.state(pb) == "checkpointed"
+            ops = [op for op in ops_of(stack, pb) if op != "get-state"]  # recovery's reads
+            assert ops[-1] == "checkpoint" and "restore" not in ops, ops
+            rb = await stack.client()
+            await rb.register("b", pid=pb)
+            tb = await rb.acquire("b")
+            assert tb.restored and stack.ledger.state(pb) == "running"
+            await rb.release(tb)
+            await rb.aclose()
+            assert stack.overlaps() == 0

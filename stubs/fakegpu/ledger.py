@@ -326,28 +326,40 @@ class Ledger:
             rows = self._processes(con, gpu)
         return [r for r in rows if r.pid in live]
 
+    # The three reads of the checkpoint fakes (every lock, checkpoint, restore and unlock
+    # asks them) take no write lock: a row of a dead process (or of a pid reused since)
+    # reads as no row, as the pruning of a write transaction would leave it. Holding the
+    # write lock for a read would queue them behind every allocation of every process,
+    # in SQLite's busy handler (sleeps of up to 100 ms), which a real driver never does.
+
+    def _row_of(self, host: int, sql: str, *params: object) -> tuple[Any, ...] | None:
+        """The first row of `sql` (its last column: the proc row's ctime) for live
+        `host`, or None."""
+        with self._snapshot() as con:
+            row = con.execute(sql, (host, *params)).fetchone()
+        if row is None or process_identity(host) != row[-1]:
+            return None
+        return tuple(row)
+
     def state(self, pid: int) -> str:
         """The cuda-checkpoint state of ``pid`` (``running`` when never set)."""
-        host = _host_or_none(pid)
-        with self._tx() as con:
-            row = con.execute("SELECT state FROM proc WHERE pid = ?", (host,)).fetchone()
-            return "running" if row is None else str(row[0])
+        row = self._row_of(_host_or_none(pid), "SELECT state, ctime FROM proc WHERE pid = ?")
+        return "running" if row is None else str(row[0])
 
     def is_stuck(self, pid: int) -> bool:
         """Whether a restore of ``pid`` ran out of memory (stuck checkpointed for good)."""
-        host = _host_or_none(pid)
-        with self._tx() as con:
-            row = con.execute("SELECT stuck FROM proc WHERE pid = ?", (host,)).fetchone()
-            return bool(row and row[0])
+        row = self._row_of(_host_or_none(pid), "SELECT stuck, ctime FROM proc WHERE pid = ?")
+        return bool(row and row[0])
 
     def injection(self, pid: int, op: str) -> str | None:
         """The failure injected for ``op`` on ``pid``: None, ``"fail"`` or ``"hang"``."""
-        host = _host_or_none(pid)
-        with self._tx() as con:
-            row = con.execute(
-                "SELECT kind FROM injection WHERE pid = ? AND op = ?", (host, op)
-            ).fetchone()
-            return None if row is None else str(row[0])
+        row = self._row_of(
+            _host_or_none(pid),
+            "SELECT i.kind, p.ctime FROM injection i JOIN proc p ON p.pid = i.pid"
+            " WHERE i.pid = ? AND i.op = ?",
+            op,
+        )
+        return None if row is None else str(row[0])
 
     def overlaps(self) -> int:
         """How many overlap moments (two resident workloads on one GPU) were recorded."""
