@@ -32,11 +32,14 @@ for the grant; the turn starts with the KV cache's wake (:mod:`dispatcher.turns`
 
 Failures: a wake or load that fails early is logged, counted (``early_failed``) and left
 to the turn: it recovers the replica and loads again after the grant (the requests stay
-pending). An ACQUIRE that ends without a grant after an early start (``wait=`` ran out,
-slicerd gone) leaves vLLM with its weights on the GPU and its KV cache asleep (a
-``/sleep`` then is a no-op in vLLM); slicerd parks it (the launcher's sleep, then its
-cuda-checkpoint fallback) before it grants anyone else, and the next turn finishes the
-wake from where it stands (``kv_asleep``).
+pending). An ACQUIRE that ends without a grant after an early start (slicerd gone; its
+``wait=`` runs on at least slicerd's ``early_hold`` once told EARLY) leaves vLLM with its
+weights on the GPU and its KV cache asleep (a ``/sleep`` then is a no-op in vLLM):
+slicerd parks it by cuda-checkpoint before it grants anyone else. An early stage still
+running then is cut off (:meth:`EarlyStart.interrupted`: what vLLM holds is unknown), so
+the loop never waits on a wake or load that a lock may hold up; the next turn recovers
+the replica and wakes it in the level-2 order with a whole load. One that had ended
+finishes its wake from where it stands (``kv_asleep``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from collections.abc import Callable
 
 import trio
 
+from gpu_slicer import proto
 from gpu_slicer.dispatcher.errors import DispatchError, ReplicaError
 from gpu_slicer.dispatcher.events import EventStream
 from gpu_slicer.dispatcher.model import Counters, Phase, TurnConfig
@@ -62,23 +66,32 @@ __all__ = ["WEIGHT_SUFFIXES", "EarlyStart", "weight_bytes"]
 log = logging.getLogger("dispatcher.turns")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# What a trainer saves beside its weights (Hugging Face's Trainer and friends): never the
+# served model's bytes.
+NOT_WEIGHTS = ("optimizer", "scheduler", "rng_state", "training_args", "trainer_state")
 MAX_ENTRIES = 10_000  # a checkpoint directory holds tens of files; never list forever
+SIZE_TIMEOUT_S = 5.0  # listing a revision's directory (a slow network file system)
 
 
 def weight_bytes(path: str) -> int:
-    """The bytes of the weight files (`WEIGHT_SUFFIXES`) directly in directory `path`;
-    0 when there are none or it cannot be read."""
-    total = 0
+    """The bytes of the model's weight files directly in directory `path`: its
+    ``*.safetensors`` where there are any (vLLM loads those first), else its ``*.bin``,
+    ``*.pt`` and ``*.pth`` but a trainer's own state (`NOT_WEIGHTS`); 0 when there are
+    none or the directory cannot be read."""
+    sizes: dict[str, int] = {}
     try:
         with os.scandir(path) as entries:
             for i, entry in enumerate(entries):
                 if i >= MAX_ENTRIES:
                     break
-                if entry.name.endswith(WEIGHT_SUFFIXES) and entry.is_file():
-                    total += entry.stat().st_size
+                name = entry.name
+                weights = name.endswith(WEIGHT_SUFFIXES) and not name.startswith(NOT_WEIGHTS)
+                if weights and entry.is_file():
+                    sizes[name] = entry.stat().st_size
     except OSError:
         return 0
-    return total
+    safe = [n for n in sizes if n.endswith(".safetensors")]
+    return sum(sizes[n] for n in (safe or sizes))
 
 
 def _since(t0: float) -> float:
@@ -116,7 +129,7 @@ class EarlyStart:
             log.warning("slicerd refused ACQUIRE early= (%s): no early starts", e)
             self.off = True
 
-    def asked(self) -> int:
+    async def asked(self) -> int:
         """The bytes to ask for with ``ACQUIRE ... early=`` now (0: no early start)."""
         if self.off or self.cfg.early_start == 0:
             return 0
@@ -127,10 +140,27 @@ class EarlyStart:
             if want is None:
                 return 0
             if want not in self._sizes:
-                self._sizes[want] = weight_bytes(self.store.revision(want).path)
+                path = self.store.revision(want).path
+                with trio.move_on_after(SIZE_TIMEOUT_S):  # the listing runs off the loop
+                    n = await trio.to_thread.run_sync(weight_bytes, path, abandon_on_cancel=True)
+                    if n > 0:  # a directory that could not be read is asked again later
+                        self._sizes[want] = n
         except DispatchError:
             return 0  # the store cannot say (it is broken, or the revision is gone)
-        return self._sizes[want]
+        n = self._sizes.get(want, 0)
+        if n > proto.EARLY_LIMIT:  # no GPU holds that: a mistake in the directory
+            log.warning("revision %s: weight files of %d bytes, more than any GPU holds; no "
+                        "early start", want, n)  # fmt: skip
+            return 0
+        return n
+
+    def interrupted(self) -> None:
+        """The ACQUIRE ended without its grant while the early stage ran, and the stage
+        was cut off: what vLLM holds is unknown (a wake or load may go on inside it). The
+        next turn recovers it and wakes it in the level-2 order with a whole load."""
+        self.recovery.needed = True
+        self.replica.forget()
+        self.replica.awake, self.replica.kv_asleep, self.replica.dropped = False, False, True
 
     async def prepare(self, nbytes: int) -> None:
         """slicerd said ``EARLY`` (`nbytes` may be used): wake the weights and load the

@@ -17,7 +17,9 @@ that request's own cancel scope.
 
 A turn, while anything is pending (each phase is logged with its duration)::
 
-    ACQUIRE (wait=acquire_wait, then again)       slicerd grants the GPU
+    ACQUIRE (wait=acquire_wait, then again)       slicerd grants the GPU; with early=N
+      [EARLY: recover, wake_weights(), load]      (dispatcher.early) the weights are woken
+                                                  and loaded before the grant (PREPARING)
     GET /weight_info  when a revision is loaded   another label: not the replica we
                                                   loaded (restarted), so recover
     recover()  on first sight / after a broken load or a replica error
@@ -603,12 +605,13 @@ class TurnLoop:
         """ACQUIRE within ``wait`` s, with an early start where one is asked for
         (:mod:`dispatcher.early`): on slicerd's ``EARLY`` the weights are woken and loaded
         while the grant is awaited. Returns the grant once the early stage (if any) is
-        over; an ACQUIRE that fails waits for it too (it is bounded) before raising."""
-        nbytes = self.early.asked()
+        over. An ACQUIRE that fails cuts a stage still running off (`EarlyStart.interrupted`)
+        instead of waiting on a wake or load that slicerd's lock may hold up."""
+        nbytes = await self.early.asked()
         if not nbytes:
             return await slicer.acquire(self.cfg.workload, wait=wait)
         told: list[int] = []
-        go = trio.Event()
+        go, done = trio.Event(), trio.Event()
 
         def on_event(msg: proto.ServerMessage) -> None:
             if isinstance(msg, proto.Early) and msg.workload == self.cfg.workload and not told:
@@ -618,6 +621,7 @@ class TurnLoop:
         async def early_stage() -> None:
             await go.wait()
             await self.early.prepare(told[0])
+            done.set()
 
         failure: ClientError | None = None
         turn: Turn | None = None
@@ -629,6 +633,9 @@ class TurnLoop:
                     turn = await slicer.acquire(self.cfg.workload, wait=wait, early=nbytes)
                 except ClientError as e:
                     failure = e
+                    if go.is_set() and not done.is_set():
+                        self.early.interrupted()
+                    nursery.cancel_scope.cancel()
                 if not go.is_set():
                     nursery.cancel_scope.cancel()  # nothing started: no early stage to wait for
         finally:
@@ -672,7 +679,8 @@ class TurnLoop:
                 # An early start (or an ACQUIRE that ended after one) woke the weights and
                 # loaded them: only the KV cache is left (it marks the turn failed itself).
                 await self.serving.wake_kv_cache(cur)
-                self.health.ok(Check.REPLICA)
+                if cur.replica_failed is None:
+                    self.health.ok(Check.REPLICA)
                 return
             dropped = self.replica.dropped
             if dropped:

@@ -95,6 +95,7 @@ async def serve(
             fit_aware=cfg.fit_aware,
             fit_headroom=cfg.fit_headroom,
             early_start=cfg.early_start,
+            early_hold=cfg.park_timeout + cfg.fault_kill_after,
         )
         sm = SlicerState([(d.index, d.uuid) for d in devices], limits)
         # Signals are caught before the socket exists: a SIGTERM the moment it answers (or

@@ -141,11 +141,14 @@ class SendPreempted:
 
 @dataclass(frozen=True, slots=True)
 class SendEarly:
-    """Send `EARLY workload bytes=N` to the waiter `conn` (an early start)."""
+    """Send `EARLY workload bytes=N` to the waiter `conn` (an early start), once the
+    journal that records it is on disk (else `SlicerState.early_unsent`); its ACQUIRE's
+    `wait=` then runs at least `hold` seconds more (its grant follows the park)."""
 
     conn: ConnId
     workload: str
     nbytes: int
+    hold: float
 
 
 @dataclass(frozen=True, slots=True)

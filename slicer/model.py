@@ -217,7 +217,9 @@ class Op:
     reply_conn: ConnId | None = None
     stage: ParkStage = ParkStage.VERIFY
     need: int = 0  # a VERIFY op: the free bytes the grant needs (a restore's)
-    early: ConnId | None = None  # a freeze for this waiter's early start (`slicer.early`)
+    # A freeze for this waiter's early start (`slicer.early`): EARLY goes to it alone, and
+    # only while it is the queue head (a re-ACQUIRE is another waiter, asking anew).
+    early: Waiter | None = None
 
 
 @dataclass

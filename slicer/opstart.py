@@ -22,7 +22,7 @@ from gpu_slicer.slicer.effects import (
     Restore,
     Verify,
 )
-from gpu_slicer.slicer.model import Gpu, Op, OpKind, ParkStage, Workload, WState
+from gpu_slicer.slicer.model import Gpu, Op, OpKind, ParkStage, Waiter, Workload, WState
 from gpu_slicer.slicer.views import event
 
 
@@ -67,7 +67,7 @@ def start_park(
     timeout: float,
     now: float,
     freeze_need: int | None = None,
-    early: ConnId | None = None,
+    early: Waiter | None = None,
 ) -> list[Effect]:
     """Start parking `w` on `gpu` as op `op_id`; `asker`: who may park it itself;
     `freeze_need`: freeze it instead when that many bytes are free (`slicer.fit`), for the

@@ -24,8 +24,10 @@ class Limits:
     # Fit-aware turns (`slicer.fit`): freeze instead of park when the next one fits.
     fit_aware: bool = False
     fit_headroom: int = 2 * 1024**3
-    # Early starts (`slicer.early`): honour ACQUIRE early= when the bytes fit.
+    # Early starts (`slicer.early`): honour ACQUIRE early= when the bytes fit; the least
+    # the waiter's wait= runs on once told (the park's bound, and a fault's kill delay).
     early_start: bool = True
+    early_hold: float = 180.0
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ def resumed(e: dict[str, Any], wid: int) -> Resumed | None:
         pidns=_opt_int(e.get("pidns")),
     )
     state, op_procs = e.get("state"), _idents(e.get("op_procs"))
+    early = _opt_int(e.get("early"))
     if state == WState.FAULTED:
         w.state, w.fault_reason = WState.FAULTED, str(e.get("fault_reason"))
         return Resumed(w, "reap-kill")
@@ -84,8 +85,9 @@ def resumed(e: dict[str, Any], wid: int) -> Resumed | None:
         # The tool may have run (or still run) on these: ask the driver.
         w.state, w.recover = WState.PARKING, "park"
         w.op_procs, w.op_bytes = op_procs, int(e.get("op_bytes", 0))
+        w.early = early or 0  # an abandoned early start's park: recovery keeps it dirty
         return Resumed(w)
-    if (early := _opt_int(e.get("early"))) and w.park == "cooperative" and not w.parked_procs:
+    if early and w.park == "cooperative" and not w.parked_procs:
         # An early start (`slicer.early`) was under way: it may hold memory, a wake may be
         # in flight; whatever the GPU shows now, it is parked by cuda-checkpoint before
         # anyone else is granted.

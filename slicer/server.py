@@ -468,9 +468,18 @@ class Server:
                 if (c := self.conns.get(e.conn)) is not None:
                     c.send(proto.encode(Waiting(e.workload, e.turn, e.waiters)))
             case SendEarly():
-                log.info("early start of %s: %d bytes", e.workload, e.nbytes)
-                if (c := self.conns.get(e.conn)) is not None:
+                if self.journal_error is not None:
+                    # Not on disk: a restart would not know the head may hold early memory.
+                    log.warning("early start of %s not sent: the journal is not written",
+                                e.workload)  # fmt: skip
+                    self._work.extend(self.sm.early_unsent(e.conn, self._clock()))
+                elif (c := self.conns.get(e.conn)) is not None:
+                    log.info("early start of %s: %d bytes", e.workload, e.nbytes)
                     c.send(proto.encode(proto.Early(e.workload, e.nbytes)))
+                    if c.wait_scope is not None:  # its grant follows the park: keep waiting
+                        c.wait_scope.deadline = max(
+                            c.wait_scope.deadline, trio.current_time() + e.hold
+                        )
             case SendPreempted():
                 log.warning("preempted %s turn=%d (held past its max_turn)", e.workload, e.turn)
                 if (c := self.conns.get(e.conn)) is not None:

@@ -359,10 +359,15 @@ class SlicerState:
         assert gpu.op is not None
         op = gpu.op
         w = op.workload
-        w.to(WState.IDLE)
+        if w.frozen_procs:
+            # Locked already (a freeze, then this checkpoint): it stays frozen, running
+            # nothing, and is checkpointed when a head needs the room again.
+            w.to(WState.FROZEN)
+        else:
+            w.to(WState.IDLE)
+            w.must_park, w.park_reply = True, op.reply_conn
         gpu.op = None
         w.op_procs, w.op_bytes = (), 0
-        w.must_park, w.park_reply = True, op.reply_conn
         return [
             event("park-deferred", w, now, reason="journal-unwritable"),
             Recheck(gpu.index, self.limits.recheck_every),
@@ -449,10 +454,24 @@ class SlicerState:
         fx.append(Persist(lazy=True))
         if op.reply_conn is not None:
             fx.append(Reply(op.reply_conn, {"parked": "1", "park_ms": str(report.ms)}))
-        if told := early.send(gpu, op.early, w, now):
+        if told := early.send(self.limits, gpu, op.early, w, now):
             self.totals["earlies"] += 1
             fx += told
         return fx + self._reconcile(gpu, now)
+
+    def early_unsent(self, conn: ConnId, now: float) -> list[Effect]:
+        """The server did not send `conn` its EARLY: the journal recording the early start
+        is not on disk (a crash would not know of it). The waiter waits for its grant as
+        any other (`slicer.early`)."""
+        peer = self.conns.get(conn)
+        if peer is None or peer.waiting_on is None:
+            return []
+        waiter = self.gpus[peer.waiting_on].queue[conn]
+        if not waiter.early_sent:
+            return []
+        early.unsent(waiter)
+        self.totals["earlies"] -= 1  # counted as it was decided: it never went out
+        return [event("early-unsent", waiter.workload, now, reason="journal-unwritable")]
 
     def _cooperative_next(self, op: Op, reason: str, text: str, now: float) -> list[Effect]:
         # The op stays on the GPU through its stages: nobody is granted meanwhile.
@@ -545,7 +564,11 @@ class SlicerState:
             w.check(to)
         gpu.op = None
         w.recover = None
-        w.early = 0
+        if result == "resident" and w.early:
+            # The park of an abandoned early start never ran: still dirty (`slicer.early`).
+            w.must_park = w.holder_died = True
+        else:
+            w.early = 0
         nbytes = w.op_bytes if intent == "park" and w.op_bytes else w.parked_bytes
         w.op_procs, w.op_bytes = (), 0
         fx: list[Effect] = []
@@ -779,7 +802,9 @@ class SlicerState:
         restored = w.state is WState.PARKED or w.restored
         w.to(WState.ACTIVE)
         w.restored = False
-        w.early = 0
+        # Granted after an early start: the journal's record of it goes (lazily: a crash
+        # before that write parks the replica once, needlessly, never wrongly).
+        told, w.early = w.early, 0
         unqueue(gpu, waiter, self.conns)
         turn = next(self._turns)
         w.turn = w.last_turn = turn
@@ -793,6 +818,8 @@ class SlicerState:
             Grant(waiter.conn, w.name, turn, restored, waited),
             event("granted", w, now, waited_ms=waited, restored=restored),
         ]
+        if told:
+            fx.append(Persist(lazy=True))
         return fx + notify_waiting(gpu)
 
     def _reconcile(self, gpu: Gpu, now: float, verified: Workload | None = None) -> list[Effect]:
@@ -841,7 +868,7 @@ class SlicerState:
                 timeout = self.limits.registrant_park_timeout
                 need, for_early = fit.freeze_need(self.limits, gpu, w), None
                 if need is None and (start := early.wanted(self.limits, gpu, w, self._on_gpu(gpu))):
-                    need, for_early = start
+                    need, for_early = start  # (bytes, the head's Waiter)
                 asker = self._asker(w)
                 op_id = next(self._ops)
                 return opstart.start_park(gpu, w, op_id, asker, timeout, now, need, for_early)

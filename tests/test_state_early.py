@@ -11,11 +11,23 @@ import pytest
 
 from gpu_slicer.slicer import restart
 from gpu_slicer.slicer.early import wanted
-from gpu_slicer.slicer.effects import Emit, Park
+from gpu_slicer.slicer.effects import Emit, Grant, Park, Persist
 from gpu_slicer.slicer.model import Gpu, Waiter, Workload, WState
 from gpu_slicer.slicer.readings import Outcome, ParkReport
 from gpu_slicer.slicer.records import Limits
-from tests.test_state import D1, D2, GIB, PIDS, RA, RB, USER, Driver, fresh, journal_entry
+from tests.test_state import (
+    D1,
+    D2,
+    GIB,
+    PIDS,
+    RA,
+    RB,
+    USER,
+    Driver,
+    _restart,
+    fresh,
+    journal_entry,
+)
 
 EARLY = 16 * GIB
 
@@ -171,19 +183,22 @@ def test_wanted_rules() -> None:
     out, head = wl(1, WState.IDLE, "checkpoint"), wl(2, WState.PARKED, "cooperative")
     gpu = Gpu(0, "GPU-0")
     gpu.queue[9] = Waiter(conn=9, workload=head, since=0.0, early=EARLY)
-    assert wanted(on, gpu, out, [out, head]) == (EARLY + GIB, 9)
+    assert wanted(on, gpu, out, [out, head]) == (EARLY + GIB, gpu.queue[9])
     head.parked_procs = ((102, 1),)  # its residue is checkpointed: a restore comes first
     assert wanted(on, gpu, out, [out, head]) is None
     head.parked_procs = ()
     other = wl(3, WState.IDLE, "checkpoint")  # another resident may run beside the head
     assert wanted(on, gpu, out, [out, head, other]) is None
     other.state = WState.FROZEN  # a frozen one runs nothing
-    assert wanted(on, gpu, out, [out, head, other]) == (EARLY + GIB, 9)
+    assert wanted(on, gpu, out, [out, head, other]) == (EARLY + GIB, gpu.queue[9])
     gpu.queue[9].early_sent = True  # told already
     assert wanted(on, gpu, out, [out, head]) is None
     gpu.queue[9].early_sent = False
-    coop = wl(4, WState.IDLE, "cooperative", "none")  # slicerd may not lock it
-    assert wanted(on, gpu, coop, [coop, head]) is None
+    coop = wl(4, WState.IDLE, "cooperative", "checkpoint")  # an awake replica in the way:
+    assert wanted(on, gpu, coop, [coop, head]) is None  # its launcher sleeps it (cheaper)
+    head.fallback = "residue"  # its residue is checkpointed at every park: a restore first
+    assert wanted(on, gpu, out, [out, head]) is None
+    head.fallback = "checkpoint"
     head.state = WState.REGISTERED  # never ran
     assert wanted(on, gpu, out, [out, head]) is None
 
@@ -199,3 +214,74 @@ def test_a_journaled_early_start_resumes_dirty_and_held_for_its_launcher() -> No
     plain = restart.resumed(journal_entry(park="cooperative", parked_max=GIB, state="parked")
                             | {"alive": True, "resident_bytes": 0}, 8)  # fmt: skip
     assert plain is not None and plain.workload.state is WState.PARKED
+
+
+def test_a_new_acquire_during_the_freeze_is_another_waiter_and_gets_no_early() -> None:
+    d = driver()
+    ask_early(d)
+    d.release(D1, "a")
+    e = d.parks.popleft()  # the freeze was checked for EARLY bytes
+    d.expire(D2)
+    ask_early(d, 500 * GIB)  # the same connection asks again, for far more
+    out = frozen(d, e)
+    assert not [x for x in out if x[0] == "EARLY"]
+    assert d.record("b")["early"] == 0
+
+
+def test_a_deferred_checkpoint_of_a_frozen_trainer_keeps_it_frozen_and_locked() -> None:
+    d = driver()
+    early_sent(d)
+    c = d.parks.popleft()
+    d.run(lambda now: d.sm.park_started(c.op, ((PIDS["a"], 1),), 50 * GIB))
+    fx, go = d.sm.park_journaled(c.op, False, d.now)  # a full disk: the tool may not run
+    d.apply(fx)
+    assert not go and d.state("a") == "frozen"  # still locked: never "idle"
+    assert d.record("a")["frozen_pids"] == [PIDS["a"]]
+    d.recheck(0)  # the disk has room again
+    again = d.parks.popleft()
+    assert (again.workload, again.mode, again.locked) == ("a", "checkpoint", True)
+
+
+def test_an_early_start_the_journal_could_not_record_is_never_used() -> None:
+    d = driver()
+    early_sent(d)
+    out = d.run(lambda now: d.sm.early_unsent(D2, now))  # the server did not send EARLY
+    assert out == [] and d.record("b")["early"] == 0
+    events = [x.body["event"] for x in d.effects if isinstance(x, Emit)]
+    assert "early-unsent" in events
+    d.expire(D2)  # nothing was told, nothing to abandon: b stays parked
+    assert d.state("b") == "parked"
+
+
+def test_the_grant_after_an_early_start_writes_the_journal_again() -> None:
+    d = driver()
+    early_sent(d)
+    before = len(d.effects)
+    d.park_done()
+    after = d.effects[before:]
+    grant = next(i for i, x in enumerate(after) if isinstance(x, Grant))
+    assert any(isinstance(x, Persist) and x.lazy for x in after[grant:])
+    assert restart.journal_entries([d.sm.registered["b"]])[0]["early"] == 0
+
+
+def test_a_restart_during_an_abandoned_early_start_park_keeps_it_dirty() -> None:
+    e = journal_entry(park="cooperative", parked_max=GIB, state="parking", early=EARLY,
+                      op_procs=[[PIDS["b"], 1]], fallback="checkpoint")  # fmt: skip
+    back = restart.resumed(e | {"alive": True, "resident_bytes": GIB}, 7)
+    assert back is not None and back.workload.recover == "park"
+    assert back.workload.early == EARLY  # recovery finds it running: still dirty
+
+
+def test_recovery_that_finds_an_abandoned_early_start_running_parks_it_by_checkpoint() -> None:
+    e = journal_entry(name="b", pid=PIDS["b"], park="cooperative", parked_max=GIB,
+                      state="parking", early=EARLY, op_procs=[[PIDS["b"], 1]],
+                      fallback="checkpoint", ask=True)  # fmt: skip
+    d, _ = _restart([e | {"alive": True, "resident_bytes": EARLY}])
+    d.recover_done("resident")  # the driver says running: its park never started
+    w = d.sm.orphans[next(iter(d.sm.orphans))]
+    assert (w.state, w.early, w.must_park, w.holder_died) == (WState.IDLE, EARLY, True, True)
+    d.register(RB, "b", park="cooperative", parked_max=GIB, fallback="checkpoint", ask=True)
+    d.acquire(D1, "b")  # adopted, still dirty: checkpointed (its launcher not asked)
+    assert not d.asks
+    p = d.parks.popleft()
+    assert (p.workload, p.mode) == ("b", "checkpoint")
