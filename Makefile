@@ -54,7 +54,7 @@ unit: $(STAMP)
 	$(BIN)/pytest -q -m "$(FAST)" --durations=5
 
 integration: $(STAMP) redis
-	$(BIN)/pytest -q -m "not ($(FAST))"
+	$(BIN)/pytest -q -m "not ($(FAST))" --durations=15
 
 # A real redis-server (7 or newer) for the pool tests, demo and bench (stubs/redisserver.py
 # starts private ones on Unix sockets): installed with apt-get where missing (Debian's

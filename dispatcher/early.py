@@ -11,11 +11,12 @@ trainer is checkpointed. The KV cache, which needs the rest of the GPU, is woken
 after the grant (``/wake_up?tags=kv_cache``, ``/reset_prefix_cache``), so vLLM still wakes
 in its level-2 order and nothing is sent before the grant.
 
-How many bytes (``slicer-dispatch --early-start auto|off|SIZE``, :func:`asked`): ``auto``
-asks for the size of the weight files (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``)
-of the revision the turn would load first (or of the loaded one, for a level-1 wake that
-only brings the weights back): what vLLM's weights take on the GPU when it serves the
-checkpoint's dtype; a replica that serves another dtype (a quantised one) needs SIZE.
+How many bytes (``slicer-dispatch --early-start auto|off|SIZE``, :meth:`EarlyStart.asked`):
+``auto`` asks for the size of the weight files of the revision the turn would load first
+(or of the loaded one, for a level-1 wake that only brings the weights back; `weight_bytes`:
+its ``*.safetensors``, else its ``*.bin``, ``*.pt`` and ``*.pth`` but a trainer's own
+state): what vLLM's weights take on the GPU when it serves the checkpoint's dtype; a
+replica that serves another dtype (a quantised one) needs SIZE.
 Nothing is asked when nothing would be loaded or woken (no revision known) or when the
 sizes cannot be read (pool mode before a claim, ``--no-check-revision-paths``).
 slicerd sends EARLY only when it is safe (the ``slicer.early`` docstring); otherwise the
