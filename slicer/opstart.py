@@ -26,12 +26,13 @@ from gpu_slicer.slicer.model import Gpu, Op, OpKind, ParkStage, Waiter, Workload
 from gpu_slicer.slicer.views import event
 
 
-def op_gpu(gpus: Iterable[Gpu], op_id: int, kind: OpKind) -> int:
-    """The index of the GPU running op `op_id` of `kind`, or -1 (it ended or never was)."""
+def running(gpus: Iterable[Gpu], op_id: int, kind: OpKind) -> tuple[Gpu, Op] | None:
+    """The GPU running op `op_id` of `kind`, and the op; None when it ended or never was
+    (a result that comes late, or twice, changes nothing)."""
     for gpu in gpus:
         if gpu.op is not None and gpu.op.op_id == op_id and gpu.op.kind is kind:
-            return gpu.index
-    return -1
+            return gpu, gpu.op
+    return None
 
 
 def reap(w: Workload, kill_after: float | None, now: float) -> Reap:

@@ -42,10 +42,9 @@ class ParkResults:
     def park_started(self, op_id: int, procs: tuple[Ident, ...], nbytes: int) -> list[Effect]:
         """The server is about to run cuda-checkpoint on `procs` (holding `nbytes`) for
         park `op_id`: journal them first, so that a restart knows whom to ask."""
-        gpu = self.gpus.get(opstart.op_gpu(self.gpus.values(), op_id, OpKind.PARK), None)
-        if gpu is None or gpu.op is None:
+        if (found := opstart.running(self.gpus.values(), op_id, OpKind.PARK)) is None:
             return []
-        w = gpu.op.workload
+        w = found[1].workload
         w.op_procs, w.op_bytes = procs, nbytes
         return [Persist()]
 
@@ -55,14 +54,11 @@ class ParkResults:
         the journal is not on disk (a crash would leave checkpointed processes nobody
         knows of): the workload stays resident and must park, the GPU stays taken until
         it can."""
-        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.PARK)
-        if index < 0:
+        if (found := opstart.running(self.gpus.values(), op_id, OpKind.PARK)) is None:
             return [], False
         if durable:
             return [], True
-        gpu = self.gpus[index]
-        assert gpu.op is not None
-        op = gpu.op
+        gpu, op = found
         w = op.workload
         if w.frozen_procs:
             # Locked already (a freeze, then this checkpoint): it stays frozen, running
@@ -82,12 +78,9 @@ class ParkResults:
         """A Park effect finished; `report` is what the server measured around it. Whether
         the park held is decided here (`policy.judge_park`); the processes it checkpointed
         are what a restore must bring back."""
-        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.PARK)
-        if index < 0:
+        if (found := opstart.running(self.gpus.values(), op_id, OpKind.PARK)) is None:
             return []
-        gpu = self.gpus[index]
-        assert gpu.op is not None
-        op = gpu.op
+        gpu, op = found
         w = op.workload
         if report.declined:
             # Not enough room to freeze it beside the next one: park it the usual way.
@@ -232,8 +225,8 @@ class ParkResults:
 
     def ask_expired(self, op_id: int, now: float) -> list[Effect]:
         """The registrant did not answer the PARK of op `op_id` in time."""
-        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.PARK)
-        op = self.gpus[index].op if index >= 0 else None
+        found = opstart.running(self.gpus.values(), op_id, OpKind.PARK)
+        op = found[1] if found is not None else None
         if op is None or op.stage is not ParkStage.ASK:
             return []
         return [event("park-ask-expired", op.workload, now), *rescue.after_answer(op, False, now)]

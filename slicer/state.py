@@ -16,10 +16,11 @@ workload's processes (`recovery_plan`, `recover_done`), a reaper's reading
 
 Around this class, by concept, all pure: `slicer.parking` (its base class: the results of
 park ops, the freeze of an early start and the registrant's answers), `slicer.policy` (the
-rules, and the choice of the next move on a GPU), `slicer.rescue` (the stages of a cooperative park nobody did),
-`slicer.restart` (journal entries out and back in), `slicer.views` (STATUS and EVENT bodies),
-`slicer.queueing` (queue and turn bookkeeping of one GPU), `slicer.opstart` (starting an op on a
-GPU, and a workload's reaper), `slicer.records` (`Limits`, `ProcessInfo`, re-exported here).
+rules, and the choice of the next move on a GPU), `slicer.rescue` (the stages of a
+cooperative park nobody did), `slicer.restart` (journal entries out and back in),
+`slicer.views` (STATUS and EVENT bodies), `slicer.queueing` (queue and turn bookkeeping of
+one GPU), `slicer.opstart` (starting an op on a GPU, and a workload's reaper),
+`slicer.records` (`Limits`, `ProcessInfo`, re-exported here).
 """
 
 from __future__ import annotations
@@ -335,11 +336,10 @@ class SlicerState(ParkResults):
     def recovery_plan(self, op_id: int, reading: RecoveryReading) -> policy.RecoveryPlan:
         """The cuda-checkpoint steps that finish or roll back recovery op `op_id`, from
         `reading` (`policy.plan_recovery`); asking changes nothing."""
-        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.RECOVER)
-        op = self.gpus[index].op if index >= 0 else None
-        if op is None:
+        found = opstart.running(self.gpus.values(), op_id, OpKind.RECOVER)
+        if found is None:
             return policy.RecoveryPlan()
-        return policy.plan_recovery(str(op.workload.recover), reading)
+        return policy.plan_recovery(str(found[1].workload.recover), reading)
 
     def recover_done(self, op_id: int, report: RecoverReport, now: float) -> list[Effect]:
         """A Recover effect finished. From `report` (the reading its plan was made from,
@@ -347,12 +347,9 @@ class SlicerState(ParkResults):
         (`policy.judge_recovery`): "parked" (its processes are checkpointed), "resident"
         (they run, memory on the device), "gone" (no process of it lives) or "fault" (the
         driver reports a failure, a tool never ended, or memory stayed)."""
-        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.RECOVER)
-        if index < 0:
+        if (found := opstart.running(self.gpus.values(), op_id, OpKind.RECOVER)) is None:
             return []
-        gpu = self.gpus[index]
-        assert gpu.op is not None
-        op = gpu.op
+        gpu, op = found
         w = op.workload
         intent = str(w.recover)
         judged = policy.judge_recovery(intent, report, gpu.index, w.parked_max)
@@ -392,12 +389,10 @@ class SlicerState(ParkResults):
         """A Restore effect finished; `report` is what the server saw. Whether it held is
         decided here (`policy.judge_restore`). A restored workload is idle until
         `_reconcile` grants it to the waiter it was restored for (if still there)."""
-        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.RESTORE)
-        if index < 0:
+        if (found := opstart.running(self.gpus.values(), op_id, OpKind.RESTORE)) is None:
             return []
-        gpu = self.gpus[index]
-        assert gpu.op is not None
-        w = gpu.op.workload
+        gpu, op = found
+        w = op.workload
         out = policy.judge_restore(report)
         reason, text = out.reason, out.text
         w.check(WState.IDLE if out.ok else WState.FAULTED)
@@ -434,12 +429,9 @@ class SlicerState(ParkResults):
         """A Verify effect finished: `seen` is the census of the GPU (or why it could not
         be read), `free` its free bytes (read when the Verify asked for room). What blocks
         the grant is decided here (`policy.blockers`) and shown in STATUS until clean."""
-        index = opstart.op_gpu(self.gpus.values(), op_id, OpKind.VERIFY)
-        if index < 0:
+        if (found := opstart.running(self.gpus.values(), op_id, OpKind.VERIFY)) is None:
             return []
-        gpu = self.gpus[index]
-        op = gpu.op
-        assert op is not None
+        gpu, op = found
         block = policy.blockers(
             seen,
             op.workload.wid,
