@@ -359,7 +359,7 @@ def daemon_args(parker: str) -> list[str]:
     return [*FAKE_BACKEND, "--parker", "driver", "--libcuda", str(_FAKECUDA[0])]
 
 
-def _dispatcher_flags() -> set[str]:
+def dispatcher_options() -> set[str]:
     """The long options ``slicer-dispatch --help`` lists (what this checkout supports)."""
     out = subprocess.run([sys.executable, "-m", "gpu_slicer.dispatcher.main", "--help"],
                          capture_output=True, text=True, timeout=60, env=child_env(ROOT, "1"),
@@ -1457,7 +1457,7 @@ async def run_variants(scenarios: list[Scenario], main: list[dict[str, Any]],
 
 
 async def run_all(args: argparse.Namespace) -> dict[str, Any]:
-    DISPATCHER_FLAGS.update(_dispatcher_flags())
+    DISPATCHER_FLAGS.update(dispatcher_options())
     every, lev = load_scenarios(Path(args.config))
     scenarios = every
     if args.scenarios:  # e.g. "8B@55,0.6B@25"

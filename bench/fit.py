@@ -20,7 +20,10 @@ at each link of the file, twice in one run:
   at its next turn (unlock); no bytes move once both have run.
 - **off**: today's defaults: the trainer parked by checkpoint (its working set over the
   link each way), vLLM slept at each turn's end (by the dispatcher, or by its launcher
-  at slicerd's request after a lazy release), woken at the next.
+  at slicerd's request after a lazy release), woken at the next; its weights woken and
+  loaded during the trainer's park where they fit beside it (early starts,
+  ``--early-start`` the weights' bytes: the revisions the trainer stub saves hold no
+  weight files for ``auto`` to measure).
 
 Both with ``--parker driver`` (the long-lived helper on the fake ``libcuda.so.1``: no CLI
 start, no cuInit per switch) and the dispatcher's other defaults (``--sleep-level auto``).
@@ -88,10 +91,12 @@ if str(ROOT) not in sys.path:  # run as a script: make bench/slicer/stubs import
     sys.path.insert(0, str(ROOT))
 
 from bench.efficiency import (  # noqa: E402
+    DISPATCHER_FLAGS,
     Run,
     SamplerTurn,
     Scenario,
     analyze,
+    dispatcher_options,
     fmt_ms,
     load_scenarios,
     run_loop,
@@ -303,10 +308,11 @@ def completed_turns(run: Run) -> list[SamplerTurn]:
 
 def busy(run: Run, s: Scenario) -> dict[str, Any]:
     """bench/efficiency.py's busy fractions of `run` (its ``analyze``: "busy
-    (real-equiv.)", "at the bound", "measured") and its real-equivalent switches."""
+    (real-equiv.)", "at the bound", "at the floor", "measured") and its real-equivalent
+    switches."""
     a = analyze(run, s, completed_turns(run))
-    keys = ("busy_real", "busy_bound", "busy_measured", "wall_s", "wall_real_s", "idle_s",
-            "useful_trainer_s", "useful_sampler_s", "sampler_turns")  # fmt: skip
+    keys = ("busy_real", "busy_bound", "busy_floor", "busy_measured", "wall_s", "wall_real_s",
+            "idle_s", "useful_trainer_s", "useful_sampler_s", "sampler_turns")  # fmt: skip
     return {**{k: a[k] for k in keys},
             "switch_total": {d: a["switches"][d]["total"] for d in ("T>S", "S>T")},
             "switch_bound": {d: a["switches"][d]["bound"] for d in ("T>S", "S>T")}}  # fmt: skip
@@ -324,7 +330,9 @@ def big_verdict(big: dict[str, Any]) -> tuple[str, str]:
            f" {big['kv_gb']:.1f} GB instead of {big['kv_default_gb']:.1f} GB at"
            f" {big['util_default']:g}): busy {on['busy_real'] * 100:.1f}% with fit-aware turns"
            f" (at the bound {on['busy_bound'] * 100:.1f}%), {off['busy_real'] * 100:.1f}%"
-           f" without (same vLLM; at the bound {off['busy_bound'] * 100:.1f}%); handover p50 /"
+           f" without (same vLLM; at the bound {off['busy_bound'] * 100:.1f}%, at the floor"
+           f" {off['busy_floor'] * 100:.1f}%: early starts overlap the weights' load with the"
+           " trainer's park); handover p50 /"
            f" p99 {fmt_ms(row['on']['all']['handover']['p50'])} /"
            f" {fmt_ms(row['on']['all']['handover']['p99'])} ms (off"
            f" {fmt_ms(row['off']['all']['handover']['p50'])} /"
@@ -394,6 +402,7 @@ def big_lines(big: dict[str, Any]) -> list[str]:
              f"{'off (park+sleep)':>22}")  # fmt: skip
     for label, key in (("busy (real-equiv.)", "busy_real"),
                        ("busy at the bound (estimate)", "busy_bound"),
+                       ("busy at the floor (estimate)", "busy_floor"),
                        ("busy (measured, scaled run)", "busy_measured")):  # fmt: skip
         L.append(f"  {label:34}{on[key] * 100:>21.1f}%{off[key] * 100:>21.1f}%")
     for d in ("T>S", "S>T"):
@@ -470,6 +479,9 @@ async def run_big(every: list[Scenario], args: argparse.Namespace) -> dict[str, 
 
 
 async def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    # The dispatcher options this checkout has (run_loop passes --early-start the weights'
+    # bytes where it exists: the revisions the trainer stub saves hold no weight files).
+    DISPATCHER_FLAGS.update(dispatcher_options())
     every, _ = load_scenarios(Path(args.config))
     scen = [dataclasses.replace(s, util=args.util if args.util else s.util,
                                 revisions=args.revisions or s.revisions)
