@@ -167,8 +167,10 @@ async def dispatcher(
     argv += ["--listen", f"127.0.0.1:{port}", "--weight-check", "label"]
     argv += ["--turn-seconds", "1", "--turn-grace", "2", "--concurrency", "4"]
     # Every turn's whole cycle (wake, load, serve, sleep) is what this test checks
-    # against the real server; lazy sleep would skip a turn's sleep and the next wake.
-    argv += ["--no-lazy-sleep"]
+    # against the real server; lazy sleep would skip a turn's sleep and the next wake, and
+    # an early start would wake and load before the grant (the CPU build has no sleep mode
+    # to wake from: tests/test_dispatcher_early.py holds that order against the stub).
+    argv += ["--no-lazy-sleep", "--early-start", "off"]
     async with (
         spawn(stack, f"dispatcher-{life}", argv) as d,
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http,
