@@ -33,9 +33,9 @@ workload off. EARLY goes to the very waiter the freeze was made for, while it is
 head (a new ACQUIRE of the same connection is a new waiter, with its own bytes). The grant
 follows as always, after the verified park; meanwhile the waiter's ``wait=`` runs on at
 least ``early_hold`` (``park_timeout`` + ``fault_kill_after``), so that a bound meant for
-a queue does not abandon a start about to be granted. Turns stay exclusive: the outgoing workload is
-locked while the head's early stage runs, so at most one workload runs, and the free
-check keeps resident bytes within capacity.
+a queue does not abandon a start about to be granted. Turns stay exclusive: the outgoing
+workload is locked while the head's early stage runs, so at most one workload runs, and
+the free check keeps resident bytes within capacity.
 
 An early start abandoned (the waiter left the queue before its grant: ``wait=`` ran out,
 its connection closed, the registration ended) leaves the workload holding memory that
