@@ -635,9 +635,8 @@ class TurnLoop:
                     failure = e
                     if go.is_set() and not done.is_set():
                         self.early.interrupted()
-                    nursery.cancel_scope.cancel()
-                if not go.is_set():
-                    nursery.cancel_scope.cancel()  # nothing started: no early stage to wait for
+                if failure is not None or not go.is_set():
+                    nursery.cancel_scope.cancel()  # no grant, or no early stage to wait for
         finally:
             slicer.on_event = None
         if failure is not None:

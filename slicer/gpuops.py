@@ -274,10 +274,10 @@ class GpuOps:
                 alive = tuple(self.host.alive(p) for p in parked)
         except Exception as ex:
             error = str(ex)[:300]
-        locked = e.mode == "freeze" and not error and tool is not None and tool.ok
+        froze = e.mode == "freeze" and not error and tool is not None and tool.ok
         # A freeze that held keeps the memory where it was: nothing to read after it (a
         # failed one is judged like a park, by what the backend sees).
-        after: int | Unreadable = 0 if locked else self._bytes_of(e.gpu, e.wid, "park-error")
+        after: int | Unreadable = 0 if froze else self._bytes_of(e.gpu, e.wid, "park-error")
         if self.attr.blind and tool is not None and tool.ok and isinstance(after, int) and after:
             # By elimination the GPU's excess may be another's (a newcomer that came with
             # memory): the driver checkpointed every process of this one that had the GPU
