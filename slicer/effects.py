@@ -69,6 +69,7 @@ class Restore:
     procs: tuple[tuple[int, int], ...]  # (pid, start time) of each checkpointed process
     nbytes: int
     thaw: bool = False  # a frozen workload: unlock only, its memory never left
+    root: tuple[int, int] = (0, 0)  # the workload's registered process (pid, start time)
 
 
 @dataclass(frozen=True, slots=True)

@@ -349,7 +349,18 @@ class GpuOps:
         except Exception as ex:
             error = str(ex)[:300]
         self.reuse.forget(e.gpu)
-        report = RestoreReport(ms=self._ms_since(t0), live=live, tool=tool, error=error)
+        # Read after the tool: a workload that exited before or under it is ending, not
+        # faulted (`policy.judge_restore`).
+        survivors = any(self.host.start_time(p) == st for p, st in e.procs)
+        root_alive = not e.root[0] or self.host.alive(e.root)
+        report = RestoreReport(
+            ms=self._ms_since(t0),
+            live=live,
+            tool=tool,
+            error=error,
+            survivors=survivors,
+            root_alive=root_alive,
+        )
         self.report(e.op, token, lambda: self.sm.restore_done(e.op, report, self._clock()))
 
     async def recover_op(self, e: Recover, token: object) -> None:

@@ -140,7 +140,16 @@ def start_thaw(gpu: Gpu, w: Workload, op_id: int, now: float) -> list[Effect]:
         # to the driver, whose states say which end the thaw reached (`slicer.journal`).
         Persist(lazy=True),
         event("thawing", w, now),
-        Restore(op.op_id, w.wid, w.name, gpu.index, w.frozen_procs, 0, thaw=True),
+        Restore(
+            op.op_id,
+            w.wid,
+            w.name,
+            gpu.index,
+            w.frozen_procs,
+            0,
+            thaw=True,
+            root=(w.pid, int(w.start_time)),
+        ),
     ]
 
 
@@ -159,5 +168,6 @@ def start_restore(gpu: Gpu, w: Workload, op_id: int, now: float) -> list[Effect]
             gpu=gpu.index,
             procs=w.parked_procs,
             nbytes=w.parked_bytes,
+            root=(w.pid, int(w.start_time)),
         ),
     ]

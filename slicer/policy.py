@@ -215,8 +215,15 @@ def judge_park(r: ParkReport, gpu: int, parked_max: int, cooperative: bool) -> P
     return ParkVerdict(True, moved=max(0, r.before - r.after), procs=procs)
 
 
+GONE = "gone"  # judge_restore's reason for a workload whose every process exited
+
+
 def judge_restore(r: RestoreReport) -> Outcome:
-    """The verdict on one restore."""
+    """The verdict on one restore. A workload whose checkpointed processes and registered
+    process all exited (before or under the tool) is ending: reason `GONE`, never a
+    fault (its memory went with them); a live root whose processes vanished is."""
+    if not r.survivors and not r.root_alive:
+        return Outcome(False, GONE, "every process of it exited")
     if r.error:
         return Outcome(False, "restore-error", r.error)
     if not r.live:

@@ -75,13 +75,16 @@ class ParkReport:
 @dataclass(frozen=True, slots=True)
 class RestoreReport:
     """What the server saw around one Restore effect: which checkpointed processes still
-    lived (`live`, the ones the tool ran on), the tool's outcome (None when it did not run)
-    and an `error` when a step raised."""
+    lived (`live`, the ones the tool ran on), the tool's outcome (None when it did not run),
+    an `error` when a step raised, and, read once the tool ended, whether any of its
+    checkpointed processes (`survivors`) or its registered process (`root_alive`) lives."""
 
     ms: int = 0
     live: tuple[Ident, ...] = ()
     tool: Outcome | None = None
     error: str = ""
+    survivors: bool = True
+    root_alive: bool = True
 
 
 @dataclass(frozen=True, slots=True)

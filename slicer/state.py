@@ -395,9 +395,23 @@ class SlicerState(ParkResults):
         w = op.workload
         out = policy.judge_restore(report)
         reason, text = out.reason, out.text
-        w.check(WState.IDLE if out.ok else WState.FAULTED)
+        ending = not out.ok and reason == policy.GONE
+        w.check(WState.IDLE if out.ok else WState.PARKED if ending else WState.FAULTED)
         gpu.op = None
         fx: list[Effect] = []
+        if ending:
+            # Every process of it exited (a pod's containers are stopped in no order):
+            # nothing of it is on the GPU or anywhere to restore from. Its waiters are
+            # denied, its closing connection unregisters it, the next waiter is served.
+            waiters = [x for x in gpu.queue.values() if x.workload is w]
+            for waiter in waiters:
+                unqueue(gpu, waiter, self.conns)
+            w.to(WState.PARKED)
+            w.parked_procs, w.parked_bytes, w.frozen_procs = (), 0, ()
+            fx += [Persist(), event("gone", w, now, restore_ms=report.ms)]
+            for waiter in waiters:
+                fx.append(Deny(waiter.conn, errors.Gone(f"workload {w.name}: {text}")))
+            return fx + self._reconcile(gpu, now)
         if not out.ok:
             waiters = [x for x in gpu.queue.values() if x.workload is w]
             for waiter in waiters:

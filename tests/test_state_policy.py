@@ -248,6 +248,27 @@ def test_processes_that_exit_under_the_tool_leave_a_parked_workload_with_nothing
             Outcome(False, "restore-no-process", "no parked process of it lives"),
         ),
         (RestoreReport(9, PROC, None, "boom"), Outcome(False, "restore-error", "boom")),
+        # Every process exited, its root too: before the tool, under it (the tool's
+        # failure or a raised step), or right after it: ending, not a fault.
+        (
+            RestoreReport(9, (), None, survivors=False, root_alive=False),
+            Outcome(False, policy.GONE, "every process of it exited"),
+        ),
+        (
+            RestoreReport(9, PROC, Outcome(False, "restore-failed", "x"), "", False, False),
+            Outcome(False, policy.GONE, "every process of it exited"),
+        ),
+        (
+            RestoreReport(9, PROC, None, "boom", survivors=False, root_alive=False),
+            Outcome(False, policy.GONE, "every process of it exited"),
+        ),
+        # A live root whose checkpointed processes vanished: a real fault.
+        (
+            RestoreReport(9, (), None, survivors=False, root_alive=True),
+            Outcome(False, "restore-no-process", "no parked process of it lives"),
+        ),
+        # Its processes live on without the root (a dead launcher's orphans): restored.
+        (RestoreReport(9, PROC, Outcome(True), root_alive=False), Outcome(True)),
     ],
 )
 def test_judge_restore(report: RestoreReport, outcome: Outcome) -> None:
@@ -266,6 +287,22 @@ def test_a_restore_without_a_live_process_faults_and_denies_its_waiter(d: Driver
         ("reap", "a", KILL_AFTER),
         ("deny", D2, "RestoreFailed"),
     ]
+
+
+def test_a_restore_whose_workload_exited_denies_its_waiter_and_serves_the_next(d: Driver) -> None:
+    # A pod's containers stop in no order: the parked trainer's processes are gone when
+    # the replica's RELEASE makes its waiter the head (before its EOF is read).
+    d.acquire(D1, "a")
+    d.release(D1, "a", park_now=True)
+    d.park_done()
+    assert d.acquire(D2, "a") == [("restore", "a")]
+    assert d.acquire(D3, "b") == []
+    restore = d.restores.popleft()
+    gone = RestoreReport(9, (), None, survivors=False, root_alive=False)
+    out = d.run(lambda now: d.sm.restore_done(restore.op, gone, now))
+    assert out == [("deny", D2, "Gone"), ("grant", D3, "b", 2, False)]
+    a = d.record("a")
+    assert (a["state"], a["parked_pids"], a["faults"]) == ("parked", [], 0)
 
 
 # ---- recovery --------------------------------------------------------------------------------
