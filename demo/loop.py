@@ -146,8 +146,7 @@ async def _run_loop(
     sock = await start_daemon(base, env, procs, daemon_args)
     first_grant = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch, sock, rec, first_grant)
-        await trio.sleep(0.05)  # let WATCH subscribe before the first REGISTER
+        await nursery.start(watch, sock, rec, first_grant)  # subscribed before any REGISTER
         vport, dport = free_port(), free_port()
         ready = base / "sampler.ready"
         argv = [sys.executable, "-m", "gpu_slicer.launcher.main", "vllm", "--workload", "sampler"]

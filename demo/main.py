@@ -196,8 +196,7 @@ async def _run_trainers(opts: argparse.Namespace, base: Path, procs: Procs, rec:
     sock = await start_daemon(base, env, procs)
     first_grant = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch, sock, rec, first_grant)
-        await trio.sleep(0.05)  # let WATCH subscribe before the first REGISTER
+        await nursery.start(watch, sock, rec, first_grant)  # subscribed before any REGISTER
         for k in range(1, opts.trainers + 1):
             name = f"trainer-{k}"
             argv = [sys.executable, "-m", "stubs.trainer_stub", "--socket", sock]

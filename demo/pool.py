@@ -20,7 +20,10 @@ and long-polls their results through a front other than the one that accepted ea
 The next revision follows once this one's results are all in, or after
 `REVISION_GAP_S`, whichever comes first. Every node's slicerd events (WATCH) and its
 dispatcher's event stream (``GET /v1/events``: vLLM wake, weight load, sleep) are
-recorded meanwhile; before the pool is stopped, each dispatcher's ``GET /status`` is read
+recorded meanwhile: each node's trainer starts only once its node's WATCH is subscribed,
+so its first grant is in the record, and the record ends in a steady state, once every
+trainer holds its GPU again after its replica's last turn (within `STEADY_S`), so every
+park and restore of the run is in it. Then each dispatcher's ``GET /status`` is read
 (its ``pool_mode``), and the pool's counters straight from Redis.
 
 The report: a timeline with two rows per node (its trainer's turns and its replica's,
@@ -89,6 +92,7 @@ REVISION_GAP_S = 2.0  # the next revision at the latest this long after the last
 PINNED_SHARE = 0.1  # of a revision's requests (from the second on): pinned to the one before
 RUN_BASE_S = 60.0  # the whole run's bound: this plus RUN_PER_REQUEST_S a request
 RUN_PER_REQUEST_S = 0.1
+STEADY_S = 30.0  # after the last result: every trainer granted again within this
 DEFAULT_PNG = "demo-out/pool-timeline.png"
 ROW_COLORS = {"trainer": "tab:blue", "replica": "tab:orange"}
 EVENTS_FILE = "{node}-dispatcher-events.jsonl"
@@ -160,9 +164,10 @@ async def _drive(opts: argparse.Namespace, pool: Pool, run: Run) -> None:
 
 async def _run(opts: argparse.Namespace, base: Path, run: Run) -> None:
     with RedisServer(base / "redis") as redis:
+        # No trainer yet: each starts once its node's WATCH is subscribed (`_in_pool`).
         nodes = running_pool(NODES, redis, pool=POOL, trainer_work=TRAINER_WORK,
                              trainer_bytes=TRAINER_BYTES, dispatch_args=DISPATCH_ARGS,
-                             stub_args=STUB_ARGS)  # fmt: skip
+                             stub_args=STUB_ARGS, trainers=False)  # fmt: skip
         async with nodes as pool:
             try:
                 await _in_pool(opts, base, pool, run)
@@ -176,15 +181,27 @@ async def _in_pool(opts: argparse.Namespace, base: Path, pool: Pool, run: Run) -
     async with trio.open_nursery() as watchers:
         for n in pool.nodes:
             rec = run.recs[n.name] = Recording()
-            watchers.start_soon(watch, n.stack.socket, rec, trio.Event())
+            await watchers.start(watch, n.stack.socket, rec, trio.Event())
             path = base / EVENTS_FILE.format(node=n.name)
             await watchers.start(_follow, n.front, path)
-        await trio.sleep(0.05)  # let every WATCH subscribe before the first request
+        # Every node's events are recorded from here: its trainer's first grant included.
+        for n in pool.nodes:
+            n.stack.trainer(TRAINER, n.trainer_args)
         try:
             with trio.fail_after(bound):
                 await _drive(opts, pool, run)
         except trio.TooSlowError:
             raise DemoError(f"the requests were not all settled within {bound:.0f} s") from None
+        try:
+            with trio.fail_after(STEADY_S):
+                for rec in run.recs.values():
+                    await rec.until(trainer_back)
+        except trio.TooSlowError:
+            late = [k for k, rec in run.recs.items() if not trainer_back(rec.events)]
+            raise DemoError(
+                f"the trainers of {late} were not granted their GPU back within {STEADY_S:.0f} s "
+                "of the last result"
+            ) from None
         for n in pool.nodes:
             run.statuses[n.name] = await dispatcher_status(n.front)
         run.stats, run.served = pool.stats(), pool.served()
@@ -196,6 +213,18 @@ async def _in_pool(opts: argparse.Namespace, base: Path, pool: Pool, run: Run) -
         for rec in run.recs.values():
             rec.stop_local = stop
         watchers.cancel_scope.cancel()
+
+
+def trainer_back(events: list[dict[str, Any]]) -> bool:
+    """Whether a node's trainer holds its GPU again after the replica's last turn (the
+    steady state the recording ends in: every park and restore of the run inside it)."""
+    last: dict[str, int] = {}
+    for i, e in enumerate(events):
+        if e.get("event") in ("granted", "released"):
+            last[f"{e['event']} {e.get('workload')}"] = i
+    trainer = last.get(f"granted {TRAINER}", -1)
+    replica = max(last.get(f"granted {REPLICA}", -1), last.get(f"released {REPLICA}", -1))
+    return trainer > replica and trainer > last.get(f"released {TRAINER}", -1)
 
 
 # ---- the report ------------------------------------------------------------------------

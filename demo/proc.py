@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,21 @@ class Recording:
     daemon_rc: int | None = None
     extended_s: float = 0.0
     client: ClientReport | None = None  # loop mode: the sampling client's outcomes
+    _changed: trio.Event | None = field(default=None, repr=False)
+
+    def add(self, event: dict[str, Any]) -> None:
+        """Record `event` and wake whoever waits in `until`."""
+        self.events.append(event)
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def until(self, done: Callable[[list[dict[str, Any]]], bool]) -> None:
+        """Return once `done(events)` holds (unbounded: the caller bounds it)."""
+        while not done(self.events):
+            if self._changed is None:
+                self._changed = trio.Event()
+            await self._changed.wait()
 
 
 def child_env(base: Path, bandwidth: str) -> dict[str, str]:
@@ -100,16 +115,32 @@ async def start_daemon(
     return sock
 
 
-async def watch(sock: str, rec: Recording, first_grant: trio.Event) -> None:
-    """Record every EVENT (until cancelled or the daemon goes away)."""
-    with contextlib.suppress(ClientError):
-        async with await AsyncSlicer.connect(sock) as c:
+async def watch(
+    sock: str,
+    rec: Recording,
+    first_grant: trio.Event,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Record every EVENT (until cancelled or the daemon goes away). Started with
+    ``nursery.start``, it returns once slicerd has the WATCH subscribed: start what is to
+    be recorded only then. `DemoError` when the subscription fails."""
+    try:
+        c = await AsyncSlicer.connect(sock)
+    except ClientError as e:
+        raise DemoError(f"WATCH on {sock}: {e}") from None
+    async with c:
+        try:
             await c.request(proto.Watch())
+        except ClientError as e:
+            raise DemoError(f"WATCH on {sock}: {e}") from None
+        task_status.started()
+        with contextlib.suppress(ClientError):
             while True:
                 msg = await c.next_message()
                 if not isinstance(msg, proto.Event) or not isinstance(msg.body, dict):
                     continue
-                rec.events.append({**msg.body, "_recv": time.monotonic()})
+                rec.add({**msg.body, "_recv": time.monotonic()})
                 if msg.body.get("event") == "granted" and not first_grant.is_set():
                     rec.first_grant_local = time.monotonic()
                     first_grant.set()
