@@ -88,6 +88,19 @@ async def enqueue(s: PoolStore, rev: str, n: int, deadline: float = 3600.0) -> l
     return [b.pending.id for b in batch]
 
 
+def _redis_ms(r: RedisServer) -> int:
+    sec, usec = r.command("TIME")  # type: ignore[misc]
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+async def next_millisecond(r: RedisServer) -> None:
+    """Return once Redis' clock has passed the millisecond it reads now: every entry
+    added after this has a later id than every entry added before."""
+    now = _redis_ms(r)
+    while _redis_ms(r) <= now:  # a millisecond at most
+        await trio.sleep(0)
+
+
 def held(s: PoolStore) -> list[str]:
     return [p.id for p in s.pending()]
 
@@ -134,6 +147,9 @@ async def test_the_loaded_revision_is_claimed_first_else_the_oldest(redis: Redis
     with trio.fail_after(20):
         async with pool(redis, "a") as [a]:
             old = await enqueue(a, "r2", 3)  # r2's are older than r1's
+            # Entry ids are Redis' milliseconds: two revisions' entries of the same
+            # millisecond are equally old, and either may be claimed first.
+            await next_millisecond(redis)
             new = await enqueue(a, "r1", 3)
             assert await a.claim("r1", 2) == 2  # the loaded one, though younger
             assert held(a) == new[:2]
