@@ -411,6 +411,8 @@ class SlicerState(ParkResults):
             fx += [Persist(), event("gone", w, now, restore_ms=report.ms)]
             for waiter in waiters:
                 fx.append(Deny(waiter.conn, errors.Gone(f"workload {w.name}: {text}")))
+            if w.detached:  # unregistered during the restore: its reaper forgets it
+                fx.append(opstart.reap(w, None, now))
             return fx + self._reconcile(gpu, now)
         if not out.ok:
             waiters = [x for x in gpu.queue.values() if x.workload is w]

@@ -526,8 +526,10 @@ class World:
         inst = req.inst
         if isinstance(msg, proto.Err):
             self._unqueue(c)
-            if msg.code == "gone" and (inst is None or not inst.ending):
-                self.fail(f"{c}: ACQUIRE {req.name} got gone, but it was not unregistered")
+            # `gone`: unregistered, or (a restore's answer) its process was killed.
+            alive = inst is not None and not inst.ending and _pid_alive(inst.proc)
+            if msg.code == "gone" and (inst is None or alive):
+                self.fail(f"{c}: ACQUIRE {req.name} got gone, but it lives, still registered")
             if msg.code in ("faulted", "restore-failed") and inst is not None and inst.live:
                 inst.faulted = True
             return

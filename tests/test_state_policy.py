@@ -305,6 +305,22 @@ def test_a_restore_whose_workload_exited_denies_its_waiter_and_serves_the_next(d
     assert (a["state"], a["parked_pids"], a["faults"]) == ("parked", [], 0)
 
 
+def test_a_restore_that_finds_an_unregistered_workload_gone_lets_its_reaper_forget_it(
+    d: Driver,
+) -> None:
+    d.acquire(D1, "a")
+    d.release(D1, "a", park_now=True)
+    d.park_done()
+    d.acquire(D2, "a")
+    restore = d.restores.popleft()
+    d.close(RA)  # the registration ends while the restore runs: an orphan, still restoring
+    gone = RestoreReport(9, (), None, survivors=False, root_alive=False)
+    out = d.run(lambda now: d.sm.restore_done(restore.op, gone, now))
+    assert out == [("reap", "a", None)]  # its waiter was denied when it closed
+    assert d.memory_report("a", False, 0) == []
+    assert d.sm.by_wid(restore.wid) is None and not d.sm.orphans  # forgotten
+
+
 # ---- recovery --------------------------------------------------------------------------------
 
 P1, P2 = (100, 1), (101, 1)
