@@ -126,6 +126,10 @@ async def test_revisions_and_a_trainer_alternate_every_result_from_its_weights()
                 dispatcher(stack, url, *flags) as (d, http),
                 spawn(stack, "trainer", trainer(stack, 1000, 0.05)) as tr,
             ):
+                # The trainer holds the GPU before any work arrives (a slow start must not
+                # let every request be served before its first turn): then serving them
+                # parks it.
+                await stack.until(lambda st: (workload(st, "trainer") or {}).get("grants", 0) > 0)
                 expected: dict[int, str] = {}
                 results: dict[int, dict[str, Any]] = {}
                 sample_ids: dict[int, str] = {}
