@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: image test demo demo-k8s lint typecheck unit integration verify-units bench clean soak test-vllm redis demo-pool
+.PHONY: image test demo demo-k8s lint typecheck unit integration flake verify-units bench clean soak test-vllm redis demo-pool
 
 $(BIN)/python:
 	@echo "make: creating the virtual environment $(VENV) with $(PY)"
@@ -49,12 +49,26 @@ typecheck: $(STAMP)
 # rest: tests that start child processes, the fuzzers and the chaos scenarios. The two
 # selections are complements, so `unit` + `integration` is the whole suite; a test that
 # starts a child process without the `integration` marker fails (tests/conftest.py).
+# The integration tests run in JOBS worker processes (pytest-xdist; most of their time
+# is spent waiting on child processes, so 3 workers on 2 cores): each test has its own
+# temporary directory, slicerd, redis-server and ports (stubs/proc.py free_port), so a
+# parallel run is as deterministic as a serial one (JOBS=0: serially, in one process).
 FAST := not integration and not fuzz and not chaos
+JOBS ?= 3
+XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist worksteal)
 unit: $(STAMP)
-	$(BIN)/pytest -q -m "$(FAST)" --durations=5
+	$(BIN)/pytest -q -p no:xdist -m "$(FAST)" --durations=5
 
 integration: $(STAMP) redis
-	$(BIN)/pytest -q -m "not ($(FAST))" --durations=15
+	$(BIN)/pytest -q $(XDIST) -m "not ($(FAST))" --durations=15
+
+# Flakes, found on purpose: N runs of the integration tests (JOBS workers each), LOAD=1
+# with a busy loop on every core meanwhile; prints each test that failed and how often
+# (tests/flake.py). `make flake N=5 LOAD=1` must report no failure.
+N ?= 5
+LOAD ?= 0
+flake: $(STAMP) redis
+	$(BIN)/python -m tests.flake --runs $(N) --jobs $(JOBS) $(if $(filter 1,$(LOAD)),--load)
 
 # A real redis-server (7 or newer) for the pool tests, demo and bench (stubs/redisserver.py
 # starts private ones on Unix sockets): installed with apt-get where missing (Debian's

@@ -45,7 +45,6 @@ from __future__ import annotations
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -56,7 +55,7 @@ import httpx
 import trio
 
 from gpu_slicer.dispatcher.poolscripts import GROUP, prefix
-from stubs.proc import StackError, free_port, log_tail
+from stubs.proc import StackError, free_port, log_tail, tempdir
 from stubs.proc import stop as stop_process
 from stubs.redisserver import RedisServer
 from stubs.stack import Stack, vllm_stub_argv
@@ -230,8 +229,7 @@ async def running_pool(
     (printing the failing node's logs' tails on an error)."""
     if n < 1 or not trainer_work:
         raise ValueError("a pool needs at least one node and one trainer step length")
-    base = Path(tempfile.mkdtemp(prefix="slicer-pool-"))
-    base.chmod(0o755)
+    base = tempdir("slicer-pool-")
     p = Pool(name=pool, redis=redis, base=base)
     for i in range(n):
         name = f"node{i}"

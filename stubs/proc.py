@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -47,6 +49,14 @@ GROUP_POLL_S = 0.05  # a process group has no pidfd: its end is polled for
 SCRUBBED = ("SLICER_SOCKET", "SLICER_WORKLOAD", "NOTIFY_SOCKET", "FAKEGPU_WORKLOAD")
 
 Proc = subprocess.Popen[bytes] | trio.Process
+# `free_port`'s ports: below Linux's default ephemeral range (32768-60999), which bind(0)
+# and outgoing connections draw from; the counter every process on the machine shares.
+PORTS = (20000, 32000)
+UNIX_PATH_MAX = 107  # bytes of an AF_UNIX socket path (sun_path less its NUL)
+# What `tempdir`'s callers put below it: 8 random characters, then a socket at most two
+# levels down (``node2/redis/redis.sock``).
+SOCKET_HEADROOM = 48
+PORT_COUNTER = os.path.join(tempfile.gettempdir(), "gpu-slicer-test-ports")
 
 
 class StackError(RuntimeError):
@@ -54,10 +64,50 @@ class StackError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nobody listens on right now, and that no other
+    caller on this machine was given recently.
+
+    The kernel's ``bind(0)`` picks at random in the ephemeral range, so two test
+    processes running side by side (``pytest -n``) could be given one port between its
+    pick and its child's bind, and outgoing connections take ports from that range too.
+    Instead every caller on the machine takes the next port of `PORTS` in turn, below
+    the ephemeral range, through one counter file under a lock (`PORT_COUNTER`): a port
+    comes round again only after all the others were handed out."""
+    lo, hi = PORTS
+    with open(PORT_COUNTER, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        f.seek(0)
+        text = f.read().decode(errors="replace").strip()
+        at = int(text) if text.isdigit() and lo <= int(text) < hi else lo + os.getpid() % (hi - lo)
+        for _ in range(hi - lo):
+            at = lo if at + 1 >= hi else at + 1
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", at))
+                except OSError:
+                    continue  # in use: the next one
+            f.seek(0)
+            f.truncate()
+            f.write(str(at).encode())
+            return at
+    raise StackError(f"no free TCP port on 127.0.0.1 in {lo}-{hi - 1}")
+
+
+def tempdir(prefix: str) -> Path:
+    """A new temporary directory (mode 0755: unprivileged clients must reach a socket in
+    it) under $TMPDIR, or under /tmp where $TMPDIR is so deep that a socket a few levels
+    below it would pass the 107 bytes an AF_UNIX path may have (a test worker's own
+    temporary directory, a CI runner's)."""
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir=socket_parent(prefix)))
+    base.chmod(0o755)
+    return base
+
+
+def socket_parent(prefix: str) -> str:
+    """Where `tempdir` makes a directory named `prefix` + 8 characters: $TMPDIR, or /tmp
+    when $TMPDIR is too deep for a socket below it."""
+    parent = tempfile.gettempdir()
+    return "/tmp" if len(parent) + len(prefix) + SOCKET_HEADROOM > UNIX_PATH_MAX else parent
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

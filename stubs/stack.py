@@ -45,13 +45,13 @@ interpreter that has the project installed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -74,6 +74,7 @@ from stubs.proc import (
     free_port,
     log_tail,
     spawn,
+    tempdir,
     until_listening,
 )
 from stubs.proc import stop as stop_process
@@ -116,6 +117,7 @@ class Stack:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)  # components
     containers: dict[str, Container] = field(default_factory=dict)  # components in pods
     rcs: dict[str, int] = field(default_factory=dict)  # exit statuses of stopped ones
+    clients: list[AsyncSlicer] = field(default_factory=list)  # `client`'s, closed by `close`
     log: Path | None = None  # slicerd's, once started
     daemon: Container | None = None  # slicerd as a pod's sidecar (pod mode)
     reach: str | None = None  # our path to slicerd's socket when not `socket` (pod mode)
@@ -364,6 +366,12 @@ class Stack:
             for p in self.children:
                 p.kill()
                 p.wait(timeout=10)
+            # Every connection `client` made (a test may leave its own open: its peer is
+            # gone by now, so each closes at once).
+            clients, self.clients = self.clients, []
+            for c in clients:
+                with contextlib.suppress(Exception):
+                    await c.aclose()
         return self.rcs
 
     def close_sync(self, grace: float = COMPONENT_GRACE_S) -> dict[str, int]:
@@ -373,8 +381,11 @@ class Stack:
     # -- the daemon's view ---------------------------------------------------------
 
     async def client(self) -> AsyncSlicer:
-        """A new connection to slicerd (through `reach` in pod mode)."""
-        return await AsyncSlicer.connect(self.reach or self.socket)
+        """A new connection to slicerd (through `reach` in pod mode); `close` closes it
+        if the caller did not."""
+        c = await AsyncSlicer.connect(self.reach or self.socket)
+        self.clients.append(c)
+        return c
 
     def sleeper(self, nbytes: int = 0, gpu: int = 0, label: str | None = None) -> int:
         """A child process standing for a workload; optionally holding `nbytes` on `gpu`."""
@@ -389,7 +400,7 @@ class Stack:
 
     async def status(self) -> dict[str, Any]:
         """One STATUS over a fresh connection."""
-        async with await self.client() as c:
+        async with await AsyncSlicer.connect(self.reach or self.socket) as c:
             return await c.status()
 
     async def until(
@@ -397,7 +408,8 @@ class Stack:
     ) -> dict[str, Any]:
         """Wait (event-driven, bounded) until `pred(STATUS)` holds; return that STATUS."""
         with trio.fail_after(timeout):
-            async with await self.client() as w, await self.client() as s:
+            here = self.reach or self.socket
+            async with await AsyncSlicer.connect(here) as w, await AsyncSlicer.connect(here) as s:
                 await w.request(proto.Watch())  # subscribe first: no change can slip by
                 while True:
                     st = await s.status()
@@ -444,9 +456,7 @@ def cc_log(stack: Stack) -> list[dict[str, Any]]:
 
 
 def _tempdir(prefix: str) -> Path:
-    base = Path(tempfile.mkdtemp(prefix=prefix))
-    os.chmod(base, 0o755)  # unprivileged clients must reach the socket
-    return base
+    return tempdir(prefix)
 
 
 @asynccontextmanager

@@ -68,6 +68,7 @@ from bench.gpu_check.machine import (  # noqa: E402
 )
 from gpu_slicer.proto import ClientError, Faulted, Unreachable  # noqa: E402
 from gpu_slicer.slicer.client import Slicer  # noqa: E402
+from stubs.proc import socket_parent  # noqa: E402
 
 GiB = figures.GiB
 # Room left on the GPU beside the holder: its CUDA context and the driver's own use.
@@ -440,7 +441,9 @@ def _run_real(
                 continue
             say(f"gpu_check: {parker} parker: slicerd {' '.join(flags)}")
             with (
-                tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp,
+                tempfile.TemporaryDirectory(
+                    prefix="gpu-check-", dir=socket_parent("gpu-check-")
+                ) as tmp,
                 real_daemon(Path(tmp), flags) as sock,
             ):
 
