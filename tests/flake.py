@@ -64,7 +64,7 @@ def failures(report: Path) -> list[str]:
 def one_run(k: int, jobs: int, extra: Sequence[str], report: Path) -> tuple[int, float]:
     """Run pytest once; its exit status and wall seconds."""
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    argv += ["-n", str(jobs)] if jobs else ["-p", "no:xdist"]
+    argv += ["-n", str(jobs), "--dist", "worksteal"] if jobs else ["-p", "no:xdist"]
     argv += [f"--junitxml={report}", *(extra or SELECTION)]
     t0 = time.monotonic()
     print(f"flake: run {k}: {' '.join(argv[1:])}", flush=True)
