@@ -44,6 +44,7 @@ class ErrorCode(enum.StrEnum):
     LIMIT = "limit"
     IN_USE = "in-use"
     NOT_ASKED = "not-asked"
+    PARKER_UNAVAILABLE = "parker-unavailable"
     INTERNAL = "internal"
 
 

@@ -262,9 +262,15 @@ def status_text(st: dict[str, Any], now: float | None = None) -> str:
     if "connections" in st:
         summary.append(f"{st['connections']} connections")
     summary += [f"{k} {v}" for k, v in totals.items()]
-    return "\n\n".join(
-        ["  ".join(summary), gpu_table(st), workload_table(st.get("workloads") or [])]
-    )
+    head = ["  ".join(summary)]
+    check = st.get("parker_check")
+    if isinstance(check, dict) and check.get("ok") is False:
+        # The one thing a new install gets wrong: say it before the tables.
+        head.append(
+            f"parker {check.get('kind', '?')} cannot run: {check.get('error')}; "
+            "REGISTERs that need it are refused"
+        )
+    return "\n\n".join(["\n".join(head), gpu_table(st), workload_table(st.get("workloads") or [])])
 
 
 def format_event(body: dict[str, Any], at: datetime) -> str:

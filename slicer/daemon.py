@@ -21,7 +21,6 @@ import contextlib
 import functools
 import logging
 import os
-import shutil
 import signal
 import sys
 from typing import Any
@@ -47,7 +46,7 @@ from gpu_slicer.slicer.journal import Journal, JournalError, StateDirLocked, Sta
 from gpu_slicer.slicer.listen import SocketBusy, open_listener
 from gpu_slicer.slicer.metrics_http import MetricsListenError, serve_metrics
 from gpu_slicer.slicer.notify import sd_notify, watchdog_interval
-from gpu_slicer.slicer.park import Running
+from gpu_slicer.slicer.park import Running, locate
 from gpu_slicer.slicer.server import Server
 from gpu_slicer.slicer.state import Limits, SlicerState
 
@@ -55,8 +54,9 @@ log = logging.getLogger("slicer")
 
 
 def _tool_path(cfg: Config) -> str:
-    found = shutil.which(cfg.cuda_checkpoint)
-    return os.path.abspath(found or cfg.cuda_checkpoint)
+    # What exec finds (a bare name not found stays the name, so that the parker looks it
+    # up again, and says so, instead of naming a file in slicerd's working directory).
+    return locate(cfg.cuda_checkpoint)[0] or cfg.cuda_checkpoint
 
 
 async def serve(

@@ -35,7 +35,7 @@ import trio
 from gpu_slicer.slicer.ckpthelper import MODULE
 from gpu_slicer.slicer.config import Config
 from gpu_slicer.slicer.errors import GpuBackendError
-from gpu_slicer.slicer.park import CheckpointParker, Outcome, Parker, ToolRunner
+from gpu_slicer.slicer.park import CHECK_TIMEOUT, CheckpointParker, Outcome, Parker, ToolRunner
 
 __all__ = [
     "DriverParker",
@@ -217,6 +217,17 @@ class DriverParker:
     async def probe(self, timeout: float = 30.0) -> str:
         """Nothing to learn: the helper said at its start what the driver can do."""
         return ""
+
+    async def check(self, timeout: float = CHECK_TIMEOUT) -> str:
+        """Whether the helper runs, or can be started again within `timeout`: "" or why."""
+        why = await self._ensure(trio.current_time() + timeout)
+        if why is None:
+            return ""
+        return f"the driver's checkpoint API ({self.lib}) cannot be used: {why}"
+
+    def changed(self) -> bool:
+        """Always: a helper that died is started again at the next call (bounded)."""
+        return True
 
     async def park(self, pids: list[int], timeout: float) -> Outcome:
         """lock then checkpoint every pid, all within `timeout`."""

@@ -89,3 +89,8 @@ class InUse(RequestError):
 
 class NotAsked(RequestError):
     """A PARKED answer names no PARK the slicer is waiting for."""
+
+
+class NoParker(RequestError):
+    """A REGISTER needs slicerd's parker (cuda-checkpoint, or the driver API) and it cannot
+    run (wire code ``parker-unavailable``)."""

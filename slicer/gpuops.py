@@ -146,9 +146,11 @@ class GpuOps:
         self.reuse.forget()  # adopted workloads: every GPU is read afresh
         self._apply(self.sm.adopt_journal(entries, self._clock()))
 
-    def register(self, conn: Connection, req: proto.Register, now: float) -> list[Effect]:
+    def register(
+        self, conn: Connection, req: proto.Register, now: float, parker: str = ""
+    ) -> list[Effect]:
         """REGISTER: measure the new workload's process and what it already holds, then
-        ask the state machine."""
+        ask the state machine (`parker`: why the parker cannot run, "" when it can)."""
         gpu = self.sm.resolve_gpu(req.gpu)
         pid, ns_pid, ns = self.attr.resolve_pid(conn.pid, conn.peer_start, conn.pidns, req.pid)
         start, uid = self.host.start_time(pid), self.host.owner_uid(pid)
@@ -176,6 +178,7 @@ class GpuOps:
             sharing=self._sharing((pid, start), req.tree),
             ask=req.ask,
             max_turn=req.max_turn,
+            parker=parker,
         )
 
     def _sharing(self, ident: procs.Ident, tree: bool) -> list[int]:

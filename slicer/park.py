@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,9 +20,57 @@ import trio
 
 from gpu_slicer.slicer.readings import Outcome
 
-__all__ = ["CheckpointParker", "Outcome", "Parker", "Running", "ToolResult", "ToolRunner"]
+__all__ = [
+    "CHECK_TIMEOUT",
+    "CheckpointParker",
+    "Outcome",
+    "Parker",
+    "ParkerCheck",
+    "Running",
+    "ToolResult",
+    "ToolRunner",
+    "locate",
+]
 
 log = logging.getLogger("slicer.park")
+
+CHECK_TIMEOUT = 10.0  # seconds a parker's check may take (`--help`; a driver helper start)
+# What to do when the parker cannot run (every check's error ends with it).
+FIX = (
+    "install NVIDIA's cuda-checkpoint (driver r550+) or give its path: slicerd "
+    "--cuda-checkpoint PATH, or cuda_checkpoint in slicer.toml; it is checked again at the "
+    "next REGISTER that needs it. A workload that parks itself (park=cooperative "
+    "fallback=none) needs no parker"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ParkerCheck:
+    """Whether the parker can run (STATUS `parker_check`): its `kind` (cli, driver), the
+    `path` it runs (or the name it looked up when it found none), and `error` (None when
+    `ok`) naming what was looked up and the fix."""
+
+    kind: str
+    path: str
+    ok: bool
+    error: str | None = None
+
+    def body(self) -> dict[str, object]:
+        """The STATUS object."""
+        return {"kind": self.kind, "path": self.path, "ok": self.ok, "error": self.error}
+
+
+def locate(asked: str) -> tuple[str | None, str]:
+    """The cuda-checkpoint executable config `cuda_checkpoint` = `asked` names, as exec
+    finds it (a path as given; a bare name on $PATH), or None; and what was looked up, in
+    words."""
+    if "/" in asked:
+        path = os.path.abspath(asked)
+        return (path if os.path.exists(path) else None), path
+    found = shutil.which(asked) or shutil.which(asked, mode=os.F_OK)
+    where = os.environ.get("PATH", os.defpath)
+    shown = where if len(where) <= 300 else where[:297] + "..."
+    return found, f"{asked!r} on PATH ({shown})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +166,16 @@ class Parker(Protocol):
         """Learn what the tool can do; a note for the log ("" when all is well)."""
         ...
 
+    async def check(self, timeout: float = CHECK_TIMEOUT) -> str:
+        """Whether the parker can run now: "" when it can, else why (what was looked up,
+        and the fix). Bounded by `timeout`; the server keeps the verdict (`ParkerCheck`)."""
+        ...
+
+    def changed(self) -> bool:
+        """Whether what a failed check found may be different now (the tool appeared,
+        changed, or went away), so that checking again may tell something new."""
+        ...
+
     async def park(self, pids: list[int], timeout: float) -> Outcome:
         """Move the GPU memory of `pids` to host memory."""
         ...
@@ -139,30 +198,53 @@ class Parker(Protocol):
 
 
 class CheckpointParker:
-    """Parks and restores processes with the cuda-checkpoint executable at `path`."""
+    """Parks and restores processes with the cuda-checkpoint executable `path` (a path,
+    or a name looked up on $PATH as exec does: `locate`)."""
 
     kind = "cli"
 
     def __init__(self, path: str, runner: ToolRunner) -> None:
-        self.path = path
+        self.asked = path  # as configured: looked up again at each check
+        self.path = locate(path)[0] or path
         self.runner = runner
         self.has_action = True
+        self._checked: tuple[str | None, object] = ("", None)  # (path found, its stat)
 
     async def probe(self, timeout: float = 30.0) -> str:
-        """Read `--help` once (off the hot path) to learn whether `--action` exists."""
-        if not os.access(self.path, os.X_OK):
-            return f"cuda-checkpoint not executable at {self.path}"
-        res = await self.runner.run([self.path, "--help"], timeout)
+        """Check the tool once at start (off the hot path), learning whether `--action`
+        exists; a note for the log ("" when all is well)."""
+        why = await self.check(min(timeout, CHECK_TIMEOUT))
+        if why:
+            return why
+        return "" if self.has_action else "driver lacks --action: using --toggle"
+
+    def changed(self) -> bool:
+        """Whether the executable `asked` names is not what the last check found."""
+        found, _ = locate(self.asked)
+        return (found, _stat_of(found)) != self._checked
+
+    async def check(self, timeout: float = CHECK_TIMEOUT) -> str:
+        """Look the tool up, and read its `--help` (bounded by `timeout`): "" when it
+        runs (and `has_action` learned), else why, naming what was looked up, and the
+        fix."""
+        found, looked = locate(self.asked)
+        self._checked = (found, _stat_of(found))
+        if found is None:
+            return f"cuda-checkpoint not found: looked for {looked} ({FIX})"
+        self.path = found
+        if not os.path.isfile(found) or not os.access(found, os.X_OK):
+            return f"cuda-checkpoint at {found} is not an executable file ({FIX})"
+        res = await self.runner.run([found, "--help"], timeout)
         if res is None:
-            return "cuda-checkpoint --help did not answer"
+            return f"{found} --help did not answer within {timeout:g} s ({FIX})"
         text = res.stdout + res.stderr
         # Every driver's help names --toggle; output without it is a tool that cannot run
         # at all (a broken install): say so, never "lacks --action", and keep --action.
         if res.returncode != 0 and "--toggle" not in text:
-            first = text.strip().splitlines()[:1]
-            return f"cuda-checkpoint --help failed (exit {res.returncode}): {' '.join(first)}"
+            first = " ".join(text.strip().splitlines()[:1])
+            return f"{found} --help failed (exit {res.returncode}): {first} ({FIX})"
         self.has_action = "--action" in text
-        return "" if self.has_action else "driver lacks --action: using --toggle"
+        return ""
 
     async def park(self, pids: list[int], timeout: float) -> Outcome:
         """lock then checkpoint every pid (or toggle them), all within `timeout`."""
@@ -233,3 +315,14 @@ class CheckpointParker:
                 msg = (res.stderr or res.stdout).strip().replace("\n", " ")[:300]
                 return Outcome(False, f"{what}-failed", f"pid {pid}: rc={res.returncode} {msg}")
         return Outcome(True)
+
+
+def _stat_of(path: str | None) -> object:
+    # What tells a changed file: its inode, size, mtime and mode (None: absent).
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)

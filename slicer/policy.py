@@ -15,6 +15,8 @@ Each rule answers one question the server used to answer itself:
 - `plan_recovery` / `judge_recovery`: how a park or restore that a dead daemon left behind
   is finished or rolled back (the table in `slicer.recovery`), and whether it held.
 - `kill_due`: is it time to kill a faulted workload's GPU processes?
+- `parker_needed`: does a registration depend on slicerd's parker (cuda-checkpoint or the
+  driver API), so that it is refused while the parker cannot run?
 
 Nothing here performs I/O or keeps state; `tests/test_state_policy.py` tables each rule.
 """
@@ -58,6 +60,19 @@ def refusal(
         return f"at most {most - reserve} connections for uids other than root"
     if not exempt and of_uid >= per_uid:
         return f"at most {per_uid} connections per uid (uid {uid})"
+    return ""
+
+
+def parker_needed(park: str, fallback: str, checkpointed: bool = False) -> str:
+    """Why a registration with `park` and `fallback` (adopting a workload whose processes
+    are `checkpointed` or locked) needs slicerd's parker, in the REGISTER's words; "" when
+    it does not (a workload that parks itself, with no fallback)."""
+    if park == "checkpoint":
+        return "park=checkpoint"
+    if fallback in ("checkpoint", "residue"):
+        return f"fallback={fallback}"
+    if checkpointed:
+        return "its processes are checkpointed (a restore brings them back)"
     return ""
 
 

@@ -39,7 +39,7 @@ import trio
 
 from gpu_slicer import proto
 from gpu_slicer.proto import Err, ErrorCode, Fault, Ok, Waiting
-from gpu_slicer.slicer import __version__, errors, procs
+from gpu_slicer.slicer import __version__, errors, policy, procs
 from gpu_slicer.slicer.config import Config
 from gpu_slicer.slicer.connection import (
     Connection,
@@ -72,7 +72,7 @@ from gpu_slicer.slicer.effects import (
 from gpu_slicer.slicer.gpu import GpuBackend
 from gpu_slicer.slicer.gpuops import GpuOps
 from gpu_slicer.slicer.journal import Journal, JournalError
-from gpu_slicer.slicer.park import Parker
+from gpu_slicer.slicer.park import CHECK_TIMEOUT, Parker, ParkerCheck
 from gpu_slicer.slicer.state import SlicerState
 
 log = logging.getLogger("slicer.server")
@@ -98,6 +98,7 @@ _CODES: dict[type[errors.RequestError], ErrorCode] = {
     errors.LimitReached: ErrorCode.LIMIT,
     errors.InUse: ErrorCode.IN_USE,
     errors.NotAsked: ErrorCode.NOT_ASKED,
+    errors.NoParker: ErrorCode.PARKER_UNAVAILABLE,
 }
 
 
@@ -161,6 +162,10 @@ class Server:
         self._children: tuple[float, dict[int, list[int]]] = (-1.0, {})
         # Called with each WATCH event performed, watched or not (`slicer.metrics`).
         self.on_event: Callable[[dict[str, Any]], None] | None = None
+        # Whether the parker can run (checked at start, and again by a REGISTER that
+        # needs it while it cannot: `_register_after_check`); one check at a time.
+        self.parker_check = ParkerCheck(parker.kind, parker.path, True)
+        self._parker_lock = trio.Lock()
         self._ops = GpuOps(
             cfg,
             sm,
@@ -184,9 +189,9 @@ class Server:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                note = await self.parker.probe()
-                if note:
-                    log.warning("%s", note)
+                self._parker_checked(await self.parker.check())
+                if self.parker_check.ok and not self.parker.has_action:
+                    log.warning("driver lacks --action: using --toggle")
                 self._ops.recover(self._entries)
                 await nursery.start(trio.serve_listeners, self._handle, [listener])
                 task_status.started()
@@ -283,7 +288,11 @@ class Server:
                     conn.send(b"OK\n")
                 case proto.Register():
                     conn.pending = True
-                    fx = self._ops.register(conn, req, now)
+                    if self._parker_recheck_due(req):
+                        assert self._nursery is not None
+                        self._nursery.start_soon(self._register_after_check, conn, req)
+                        return  # answered once the check ended (bounded); nothing changed
+                    fx = self._ops.register(conn, req, now, self.parker_check.error or "")
                 case proto.Acquire():
                     conn.pending = True
                     fx = self.sm.acquire(conn.cid, req.workload, now, req.early)
@@ -324,6 +333,49 @@ class Server:
         self._apply(fx)  # always, once the state machine changed: before anything else
         if scope is not None and conn.wait_scope is scope and self._nursery is not None:
             self._nursery.start_soon(self._wait_timer, conn, scope)
+
+    # ---- the parker's check -------------------------------------------------------------
+
+    def _parker_checked(self, why: str) -> None:
+        was = self.parker_check
+        self.parker_check = ParkerCheck(self.parker.kind, self.parker.path, not why, why or None)
+        if why and (was.ok or was.error != why):
+            log.warning("parker cannot run: %s; REGISTERs that need it are refused", why)
+        elif not why and not was.ok:
+            log.warning("parker %s at %s runs now", self.parker.kind, self.parker.path)
+
+    def _parker_recheck_due(self, req: proto.Register) -> bool:
+        # Only while it cannot run, only for a REGISTER that needs it, and only when what
+        # the last check found may have changed (the tool installed since): cheap (a PATH
+        # lookup and a stat) while nothing changed, one bounded check when it did.
+        if self.parker_check.ok or not policy.parker_needed(str(req.park), str(req.fallback)):
+            return False
+        return self.parker.changed()
+
+    async def _check_parker(self) -> None:
+        async with self._parker_lock:  # REGISTERs that came meanwhile share the check
+            if not self.parker_check.ok and self.parker.changed():
+                self._parker_checked(await self.parker.check(CHECK_TIMEOUT))
+
+    async def _register_after_check(self, conn: Connection, req: proto.Register) -> None:
+        """A REGISTER that needs the parker while it could not run: check it again
+        (bounded), then register as `_dispatch` would, with the new verdict."""
+        await self._check_parker()
+        if self.conns.get(conn.cid) is not conn or conn.closing:
+            return
+        try:
+            fx = self._ops.register(conn, req, self._clock(), self.parker_check.error or "")
+        except errors.RequestError as e:
+            self._reply(conn.cid, proto.encode(Err(error_code(e), text=str(e))))
+            self._apply([])  # the connection's pipelined requests go on
+            return
+        except Exception as e:
+            log.exception("REGISTER %s of connection %d failed", req.workload, conn.cid)
+            text = f"{type(e).__name__}: {e}"
+            self._reply(conn.cid, proto.encode(Err(ErrorCode.INTERNAL, text=text)))
+            self._apply([])
+            return
+        self._apply(fx)
 
     async def _wait_timer(self, conn: Connection, scope: trio.CancelScope) -> None:
         with scope:
@@ -635,6 +687,9 @@ class Server:
             "connections": len(self.conns),
             "tools_running": self.parker.runner.running,
             "parker": self.parker.kind,  # cuda-checkpoint CLI, or the driver API's helper
+            # Whether it can run: {kind, path, ok, error} (a REGISTER that needs it is
+            # refused while it cannot).
+            "parker_check": self.parker_check.body(),
             # How device memory is attributed: by the backend's pids, or by elimination.
             "census": self._ops.attr.census,
             "journal": {

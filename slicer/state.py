@@ -190,11 +190,15 @@ class SlicerState(ParkResults):
         sharing: Iterable[int] = (),
         ask: bool = False,
         max_turn: float | None = None,
+        parker: str = "",
     ) -> list[Effect]:
         """REGISTER: create the workload (or adopt an orphan of the same processes).
 
         `sharing`: the wids of tracked workloads whose process trees overlap the new one's
-        (measured by the server); a process belongs to at most one workload."""
+        (measured by the server); a process belongs to at most one workload. `parker`:
+        why slicerd's parker cannot run ("" when it can): a registration that needs it
+        (`policy.parker_needed`) is refused, so that nobody depends on a tool that fails
+        at the first park."""
         peer = self.conns[conn]
         # The number the peer sent first: a pod's registrant knows its own numbers.
         named = f"{proc.ns_pid} (pid {proc.pid} to slicerd)" if proc.ns_pid else str(proc.pid)
@@ -207,6 +211,9 @@ class SlicerState(ParkResults):
         adopt = self._find_orphan(name, proc)
         if adopt is not None and adopt.gpu != gpu_index:
             adopt = None  # the same processes on another GPU: not an adoption, a clash
+        locked = adopt is not None and bool(adopt.parked_procs or adopt.frozen_procs)
+        if parker and (why := policy.parker_needed(park, fallback, locked)):
+            raise errors.NoParker(f"REGISTER {name}: {why} needs slicerd's parker: {parker}")
         taken = [self.by_wid(wid) for wid in sharing if adopt is None or wid != adopt.wid]
         if owners := sorted(w.name for w in taken if w is not None):
             raise errors.InUse(

@@ -199,6 +199,12 @@ class FakeParker:
     async def probe(self, timeout: float = 30.0) -> str:
         return ""
 
+    async def check(self, timeout: float = 10.0) -> str:
+        return ""
+
+    def changed(self) -> bool:
+        return False
+
     async def park(self, pids: list[int], timeout: float) -> Outcome:
         self.parks.append(pids)
         await trio.sleep(0.5)  # the tool takes its time

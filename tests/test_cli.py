@@ -213,6 +213,14 @@ def test_uptime_and_durations_in_local_time(monkeypatch: pytest.MonkeyPatch) -> 
     assert status_text({"version": "1"}).startswith("slicerd 1  up ?")
 
 
+def test_status_says_first_when_the_parker_cannot_run() -> None:
+    check = {"kind": "cli", "path": "/x/cuda-checkpoint", "ok": False, "error": "not found (fix)"}
+    lines = status_text({"version": "1", "parker_check": check}).splitlines()
+    assert lines[1] == "parker cli cannot run: not found (fix); REGISTERs that need it are refused"
+    ok = {**check, "ok": True, "error": None}
+    assert "cannot run" not in status_text({"version": "1", "parker_check": ok})
+
+
 # ---- completion ---------------------------------------------------------------------------
 
 

@@ -198,6 +198,7 @@ class Driver:
         fallback: str = "none",
         ask: bool = False,
         sharing: tuple[int, ...] = (),
+        parker: str = "",
     ) -> list[tuple[Any, ...]]:
         uid = proc_uid if proc_uid is not None else self.sm.conns[conn].uid
         proc = ProcessInfo(pid if pid is not None else PIDS[name], start_time, uid)
@@ -215,6 +216,7 @@ class Driver:
                 fallback=fallback,
                 sharing=sharing,
                 ask=ask,
+                parker=parker,
             )
         )
 

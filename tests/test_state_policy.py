@@ -612,3 +612,41 @@ def test_a_restore_for_a_waiter_that_left_grants_nobody_and_restores_nothing_lat
     d.expire(D2)
     assert d.restore_done() == []
     assert d.acquire(D3, "a") == [("grant", D3, "a", 2, False)]  # resident already
+
+
+# ---- does a registration need the parker? -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("park", "fallback", "checkpointed", "why"),
+    [
+        ("checkpoint", "none", False, "park=checkpoint"),
+        ("cooperative", "checkpoint", False, "fallback=checkpoint"),
+        ("cooperative", "residue", False, "fallback=residue"),
+        ("cooperative", "none", False, ""),
+        (
+            "cooperative",
+            "none",
+            True,
+            "its processes are checkpointed (a restore brings them back)",
+        ),
+    ],
+)
+def test_parker_needed(park: str, fallback: str, checkpointed: bool, why: str) -> None:
+    assert policy.parker_needed(park, fallback, checkpointed) == why
+
+
+def test_a_registration_that_needs_a_parker_that_cannot_run_is_refused_and_changes_nothing(
+    d: Driver,
+) -> None:
+    before = [w.name for w in d.sm.workloads()]
+    cannot = "cuda-checkpoint not found: looked for '/no/such/tool'"
+    for park, fallback in (("checkpoint", "none"), ("cooperative", "checkpoint")):
+        with pytest.raises(errors.NoParker) as e:
+            d.register(RA, "d", park=park, fallback=fallback, parker=cannot)
+        assert "/no/such/tool" in str(e.value) and "REGISTER d" in str(e.value)
+        assert [w.name for w in d.sm.workloads()] == before
+    # A workload that parks itself, with no fallback, needs no parker.
+    got = d.register(RA, "d", park="cooperative", fallback="none", parker=cannot)
+    assert got == [("registered", RA, "d", "registered")]
+    assert d.state("d") == "registered"
