@@ -25,7 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "tiny"
 BOOT_TIMEOUT_S = 420.0  # a cold vLLM boot on 2 busy cores, with headroom
 STOP_GRACE_S = 15.0
-REAL_FLAGS = ["--enforce-eager", "--max-model-len", "128", "--kv-cache-memory-bytes", "67108864"]
+# float32: the tiny revisions' own dtype (build_models.py saves float32). vLLM's default for
+# them on the CPU is bfloat16, whose kernels use AMX where the CPU reports it: in a VM that
+# reports AMX without enabling it, the worker died of SIGILL (exit -4) at its first step.
+REAL_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "128"]
+REAL_FLAGS += ["--kv-cache-memory-bytes", "67108864"]
 
 
 class TierSetupError(RuntimeError):
