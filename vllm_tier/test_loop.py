@@ -90,6 +90,10 @@ class Proxy:
     in_flight: int = 0
 
     async def handle(self, request: Request) -> Response:
+        # Whether a generation is held is decided at its arrival: the reads below take
+        # time, and a generation sent just before the kill must not be let through by
+        # the test's release of the hold (it was sent inside the killed turn).
+        hold = self.hold if request.url.path.startswith("/v1/") else None
         body = await request.body()
         st = await self.stack.status()
         v = workload(st, "v")
@@ -109,8 +113,8 @@ class Proxy:
             self.in_flight += 1
             self.gen_arrived.set()
         try:
-            if gen and self.hold is not None:
-                await self.hold.wait()
+            if hold is not None:
+                await hold.wait()
                 if self.drop_held:
                     call.dropped = True
                     return Response(b"dropped by the test proxy", 502)
@@ -342,9 +346,11 @@ async def test_dispatcher_and_launcher_around_a_real_vllm(models: Path) -> None:
                     await px.gen_arrived.wait()
                     d.proc.kill()
                     assert await d.wait() == -signal.SIGKILL
+                # Generations the dead dispatcher sent are dropped, also one whose arrival
+                # the proxy reads only now (a loaded machine): the hold stays up until the
+                # next dispatcher starts.
                 px.drop_held = True
                 px.hold.set()
-                px.hold = None
 
                 def v_parked(st: dict[str, Any]) -> bool:
                     v = workload(st, "v")
@@ -352,6 +358,7 @@ async def test_dispatcher_and_launcher_around_a_real_vllm(models: Path) -> None:
 
                 await stack.until(v_parked)
                 await swap_weights_behind_the_label(stack, vllm_url, models)
+                px.hold, px.drop_held = None, False
                 async with dispatcher(stack, purl, 2, px) as (d2, http2):
                     results = {sid: await result_of(http2, sid, timeout=300) for sid in ids}
                     st = (await http2.get("/status")).json()
