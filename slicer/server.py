@@ -213,10 +213,19 @@ class Server:
         try:
             self.sm.connect(cid, uid, pid, trusted=trusted)
         except errors.LimitReached as refused:
-            with trio.move_on_after(1):
-                await stream.send_all(proto.encode(Err(ErrorCode.LIMIT, text=str(refused))))
-            with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await stream.aclose()
+            # The client may write its first request after this answer: closing at once
+            # would fail that write (EPIPE) and hide the ERR behind a broken pipe, so the
+            # refusal lingers (half-closed, input discarded, bounded) like any ERR that
+            # ends a connection.
+            try:
+                with trio.move_on_after(1):
+                    await stream.send_all(proto.encode(Err(ErrorCode.LIMIT, text=str(refused))))
+                    await linger(stream)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    await stream.aclose()
             return
         conn = Connection(cid, stream, pid, uid)
         if pid > 0:

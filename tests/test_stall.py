@@ -203,6 +203,36 @@ async def test_one_user_cannot_take_every_connection() -> None:
             assert stack.overlaps() == 0
 
 
+async def test_a_refused_connection_gets_its_err_limit_even_when_it_writes_afterwards() -> None:
+    """A client writes its first request when it is ready, which may be after slicerd
+    refused it: the refusal lingers (half-closed, input discarded), so that write does
+    not fail with a broken pipe and the client reads `ERR limit` (a closed socket hid
+    it: `slicerctl status` against a full table said "broken pipe" now and then). And a
+    refused client that hangs up at once never takes the daemon down."""
+    with trio.fail_after(30):
+        conf = Path(tempfile.mkdtemp()) / "slicer.toml"
+        conf.write_text("max_connections = 3\nreserved_connections = 0\n")
+        async with running_stack("--config", str(conf)) as stack:
+            held = [await raw(stack) for _ in range(3)]
+            for s in held:
+                await s.send_all(b"PING\n")
+                assert await read_lines(s, 1) == [b"OK"]
+            refused = await raw(stack)
+            (line,) = await read_lines(refused, 1)
+            assert line.startswith(b"ERR limit"), line
+            assert await refused.receive_some(4096) == b""  # its answer ends there
+            # after the answer and its end: the request is still taken (and discarded)
+            await refused.send_all(b"PING\n")
+            await refused.aclose()
+            for _ in range(50):  # refused clients that hang up before their answer
+                s = await raw(stack)
+                await s.aclose()
+            for s in held:
+                await s.aclose()
+            await connections(stack, 1)
+            assert stack.overlaps() == 0
+
+
 async def test_a_pipeline_resumed_while_its_connection_lingers_never_wedges_the_gpu() -> None:
     """A RELEASE park=now waiting, an `ACQUIRE wait=` behind it, then a line too long: the
     server answers ERR and lingers; the park ends meanwhile. Nothing of the closing
