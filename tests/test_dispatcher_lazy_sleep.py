@@ -27,7 +27,7 @@ from gpu_slicer.dispatcher.vllm import parse_sleep_state
 from tests.harness import Stack, event_index, events_until, running_stack, workload
 from tests.procs import Proc, free_port, spawn
 from tests.test_dispatcher import dispatcher, publish, replica_argv, status, stop, trainer
-from tests.test_dispatcher_sleep_levels import L2_WAKE, assert_real, posts, released
+from tests.test_dispatcher_sleep_levels import L2_WAKE, assert_real, released, stub_posts
 
 pytestmark = pytest.mark.integration
 
@@ -95,7 +95,8 @@ async def test_sequential_requests_with_nobody_else_wake_once_and_never_sleep(la
             smark = len(lw.lines)  # after the launcher's boot sleep
             for k in range(5):
                 await one_request(d, http, f"request {k}")
-            calls = posts(lw, smark)
+            # the fifth request's own call, or its turn's sleep, is the last the stub logs
+            calls = await stub_posts(lw, smark, "/v1/completions" if lazy else "/sleep", 5)
             print(f"stub POSTs of five requests (lazy={lazy}): {calls}")
             wakes, sleeps = (
                 count(calls, "POST /wake_up 200"),
@@ -195,12 +196,15 @@ async def test_a_trainer_asking_gets_the_awake_replica_slept_by_its_launcher(lev
             assert event_index(seen, "park-answered", "v") < event_index(seen, "parked", "v")
             assert event_index(seen, "parked", "v") < event_index(seen, "granted", "trainer")
             assert not any(e["event"] in ("fault", "park-fallback") for e in seen), seen
-            assert posts(lw, smark) == [f"POST /sleep?level={level}&mode=abort 200"]
+            assert await stub_posts(lw, smark, "/sleep") == [
+                f"POST /sleep?level={level}&mode=abort 200"
+            ]
             assert f"parked on slicerd's request: slept (level {level})" in lw.output()
             before = (await status(http))["counters"]
             smark = len(lw.lines)
             await one_request(d, http, "after the trainer")
-            calls = [c for c in posts(lw, smark) if c != "POST /finish_weight_update 500"]
+            got = await stub_posts(lw, smark, "/v1/completions")
+            calls = [c for c in got if c != "POST /finish_weight_update 500"]
             print(f"the turn after the launcher's level-{level} sleep (stub POSTs): {calls}")
             if level == 1:
                 assert calls == ["POST /wake_up 200", "POST /v1/completions 200"], calls
@@ -278,7 +282,7 @@ async def test_a_turn_that_saw_waiting_still_sleeps_at_its_end() -> None:
                     await d.line(lambda s: ": WAITING (" in s, mark)
                     await fault.post("/_stub/fault", json={"hang_requests": False})
                     await released(d, mark)
-                    calls = posts(lw, smark)
+                    calls = await stub_posts(lw, smark, "/sleep")
                     assert calls[-1] == "POST /sleep?level=1&mode=abort 200", calls
                     assert not any("left awake" in s for s in d.lines[mark:]), d.output()
                 c = (await status(http))["counters"]

@@ -75,6 +75,16 @@ def posts(lw: Proc, start: int = 0) -> list[str]:
     return out
 
 
+async def stub_posts(lw: Proc, start: int, last: str, n: int = 1) -> list[str]:
+    """`posts` from line `start` once the stub has logged `n` POSTs to a path starting
+    with `last`: the stub logs a call after answering it, and on the launcher's output,
+    so the dispatcher's own line after that call (``released``) may be read first."""
+    while sum(c.startswith(f"POST {last}") for c in posts(lw, start)) < n:
+        assert not lw.closed, f"{lw.name} ended before {n} POST {last}:\n{lw.output()}"
+        await lw.changed.wait()
+    return posts(lw, start)
+
+
 async def released(d: Proc, start: int) -> None:
     """Wait for the dispatcher's next `released` line after line `start`."""
     await d.line(lambda s: ": released (" in s, start)
@@ -148,7 +158,7 @@ async def test_auto_drops_the_weights_before_a_new_revision_and_wakes_in_order()
                     assert got["status"] == "done" and got["revision"] == rev, got
                     assert_real(got["result"], prompt, rev)
                     await released(d, mark)
-                    turns.append(posts(lw, smark))
+                    turns.append(await stub_posts(lw, smark, "/sleep"))
                     # Turns 1 and 2: a newer revision is published. Turn 3: none is, but
                     # each turn loaded another revision (r1, r2, r3): the weights are
                     # changing every step, so auto drops them too.
@@ -186,7 +196,7 @@ async def _sequential(
         assert r.status_code == 200, r.text
         assert_real(r.json(), prompt, "r1")
         await released(d, mark)
-        turns.append(posts(lw, smark))
+        turns.append(await stub_posts(lw, smark, "/sleep"))
     return turns
 
 
@@ -253,7 +263,7 @@ async def test_a_failed_load_after_level_2_serves_nothing_sleeps_and_keeps_reque
             assert r.status_code == 202, r.text
             sid = r.json()["id"]
             await d.line(lambda s: ": released (" in s, mark)
-            failed = posts(lw, smark)
+            failed = await stub_posts(lw, smark, "/sleep")
             print(f"the failed turn (stub POSTs): {failed}")
             assert failed[:2] == ["POST /wake_up?tags=weights 200", "POST /collective_rpc 500"]
             # The KV cache is woken so that the sleep is one (a partly woken vLLM still
@@ -276,7 +286,8 @@ async def test_a_failed_load_after_level_2_serves_nothing_sleeps_and_keeps_reque
             got = await result_of(http, sid)  # the next turn, after the load's backoff
             assert got["status"] == "done", got
             assert_real(got["result"], "kept", "r1")
-            after = [x for x in posts(lw, smark) if x != "POST /finish_weight_update 500"]
+            got_posts = await stub_posts(lw, smark, "/v1/completions")
+            after = [x for x in got_posts if x != "POST /finish_weight_update 500"]
             assert after[: len(L2_WAKE)] == L2_WAKE, after
             await stop(d)
             assert stack.overlaps() == 0
@@ -339,7 +350,7 @@ async def test_a_level_2_wake_whose_work_expired_still_sleeps_the_weights() -> N
             await d.line(lambda s: "deadline exceeded" in s, mark)  # and the work is gone
             await fault.post("/_stub/fault", json={"hang_wake": False})
             await released(d, mark)
-            calls = posts(lw, smark)
+            calls = await stub_posts(lw, smark, "/sleep")
             assert calls == [
                 "POST /wake_up?tags=weights 200",
                 "POST /wake_up?tags=kv_cache 200",
