@@ -137,12 +137,21 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return _build_gpumem(d), _build_fake_lib(d)
 
 
-def _leftovers(marker: str) -> list[str]:
+def _leftovers(run: Path) -> list[str]:
+    """Every live process of the run in `run` (a test's tmp_path): its path in the command
+    line, or in the environment every process of the run inherits (TMPDIR, OUT), as the
+    driver's ``--standin`` holders have; never another test's (they run in parallel)."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
-        with_marker = any(marker in part for part in (p.info["cmdline"] or []))
-        if with_marker and p.pid != os.getpid():
-            found.append(" ".join(p.info["cmdline"]))
+        if p.pid == os.getpid():
+            continue
+        try:
+            mine = any(str(run) in part for part in (p.info["cmdline"] or []))
+            mine = mine or any(v.startswith(str(run)) for v in p.environ().values())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue  # gone meanwhile (or not ours to read: not of this run)
+        if mine:
+            found.append(" ".join(p.info["cmdline"] or []))
     return found
 
 
@@ -248,7 +257,7 @@ def test_without_a_driver_it_exits_77_with_one_line_and_leaves_nothing(tmp_path:
     lines = (res.stdout + res.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_check: no NVIDIA driver here"), lines
     assert list((tmp_path / "tmp").iterdir()) == []  # its temp dir is gone
-    assert _leftovers(str(tmp_path)) == []
+    assert _leftovers(tmp_path) == []
 
 
 @pytest.mark.integration
@@ -264,7 +273,7 @@ def test_a_driver_without_a_device_exits_77_after_the_probe(
         "is detected (CUresult 100)"
     ], lines
     assert list((tmp_path / "tmp").iterdir()) == []
-    assert _leftovers(str(tmp_path)) == []
+    assert _leftovers(tmp_path) == []
 
 
 @pytest.mark.integration
@@ -285,7 +294,7 @@ def test_fake_run_parks_and_restores_with_both_parkers_end_to_end(tmp_path: Path
     assert [u["bytes"] for u in report["speedup_driver_over_cli"]] == [GiB // 4, GiB // 2]
     assert "driver over cli at 0.5 GiB: park" in out
     assert "```" in (tmp_path / "out" / "gpu_check.md").read_text()
-    assert _leftovers("--standin") == [] and _leftovers(str(tmp_path)) == []
+    assert _leftovers(tmp_path) == []
 
 
 @pytest.mark.integration
@@ -293,7 +302,7 @@ def test_fake_run_with_an_unknown_parker_is_refused_and_cleans_up(tmp_path: Path
     res = _script(tmp_path, "--fake", "--sizes", "0.25", "--repeats", "1", "--parkers", "bogus")
     assert res.returncode == 1
     assert "--parkers takes cli and/or driver, got 'bogus'" in res.stderr
-    assert _leftovers("--standin") == [] and _leftovers(str(tmp_path)) == []
+    assert _leftovers(tmp_path) == []
 
 
 # -- the figures -----------------------------------------------------------------------
