@@ -164,7 +164,9 @@ class Health:
     ``clock`` measures how long a problem lasts (trio's clock by default, so
     ``autojump_clock`` tests run it), ``wall`` says when it began (``time.time``);
     ``on_change(problem)`` is called with the new problem (None: cleared) whenever the
-    problem changes, its check or its words."""
+    problem changes, its check or its words; ``on_state(check)`` whenever a check's state
+    (ok, failing, not known) changes, problem or not (the turn loop waits on the replica's
+    check before it asks for a turn)."""
 
     def __init__(
         self,
@@ -172,10 +174,12 @@ class Health:
         clock: Callable[[], float] = trio.current_time,
         wall: Callable[[], float] = time.time,
         on_change: Callable[[Problem | None], None] | None = None,
+        on_state: Callable[[Check], None] | None = None,
     ) -> None:
         self._clock = clock
         self._wall = wall
         self._on_change = on_change
+        self._on_state = on_state
         self._ok: dict[Check, bool | None] = {c: None for c in Check}
         self._ok[Check.STORE] = True  # the store was opened (its schema written) before us
         self._ok[Check.LOAD] = True
@@ -187,14 +191,14 @@ class Health:
 
     def ok(self, check: Check) -> None:
         """``check`` works (now): its problem, if any, clears."""
-        self._ok[check] = True
+        self._set_state(check, True)
         self._failing.pop(check, None)
         self._changed()
 
     def fail(self, check: Check, what: str) -> None:
         """``check`` fails, ``what`` saying how; a check already failing keeps its
         ``since`` (the words may change)."""
-        self._ok[check] = False
+        self._set_state(check, False)
         old = self._failing.get(check)
         since, at = (old.since, old.at) if old is not None else (self._wall(), self._clock())
         self._failing[check] = Problem(check, what, since, at)
@@ -202,9 +206,14 @@ class Health:
 
     def forget(self, check: Check) -> None:
         """``check`` is not known any more (e.g. the registration, once slicerd is lost)."""
-        self._ok[check] = None
+        self._set_state(check, None)
         self._failing.pop(check, None)
         self._changed()
+
+    def _set_state(self, check: Check, state: bool | None) -> None:
+        old, self._ok[check] = self._ok[check], state
+        if old is not state and self._on_state is not None:
+            self._on_state(check)
 
     def set(self, check: Check, what: str | None) -> None:
         """:meth:`ok` when ``what`` is None, else :meth:`fail` with it."""

@@ -87,6 +87,12 @@ class PendingIndex:
                 due.append(p)
         return due
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a pending request (wall clock), or None."""
+        while self._deadlines and self._deadlines[0][2] not in self.by_id:
+            heapq.heappop(self._deadlines)  # finished: lazily deleted here
+        return self._deadlines[0][0] if self._deadlines else None
+
     def keep_due(self, due: list[Pending]) -> None:
         """Put ``due`` (from :meth:`due`) back on the heap: their failure was not written,
         and the next :meth:`due` returns them again instead of forgetting them."""
@@ -120,6 +126,10 @@ class PendingView:
     def is_pending(self, id: str) -> bool:
         """Whether ``id`` is still pending (cheap: in memory)."""
         return id in self._index.by_id
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a pending request (wall clock), or None."""
+        return self._index.next_deadline()
 
     def pending_token_bytes(self) -> tuple[int, int]:
         """(token ids held in pending prompts, bytes of their arrays' buffers)."""

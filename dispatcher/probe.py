@@ -1,10 +1,13 @@
 """The health probes: slicerd and the replica asked directly, bounded, forever.
 
 :func:`probe` asks slicerd (one STATUS over a connection of its own: reachable, and is
-the workload registered?) and, between turns, the replica (``GET /health``, then ``GET
-/weight_info`` when a revision is loaded), every ``PROBE_INTERVAL_S`` while all is well
-and sooner (from ``PROBE_RETRY_MIN_S``, doubling) while something fails; what it learns
-goes to the :class:`~dispatcher.health.Health` it was given. slicerd is probed during a
+the workload registered?) and, between turns, the replica (``GET /health``; ``GET
+/is_sleeping`` too until it is known healthy, so that a server without vLLM's dev routes
+counts as unhealthy; then ``GET /weight_info`` when a revision is loaded), every
+``PROBE_INTERVAL_S`` while all is well and sooner (from ``PROBE_RETRY_MIN_S``, doubling)
+while something fails; what it learns goes to the :class:`~dispatcher.health.Health` it
+was given. The turn loop asks for a turn only while the replica's check is ok (a dead or
+misconfigured replica parks nobody), and is woken when it changes. slicerd is probed during a
 held turn too (a stopped slicerd, or a workload whose launcher died, shows while the turn
 lasts; ``on_workload_lost`` lets the turn loop end a turn whose workload left slicerd);
 the replica is not (the turn's own sends are the evidence). A replica whose probe failed
@@ -37,6 +40,7 @@ from gpu_slicer.dispatcher.health import (
 from gpu_slicer.slicer.client import AsyncSlicer, ClientError
 
 __all__ = [
+    "DEV_ROUTES_HINT",
     "PROBE_INTERVAL_S",
     "PROBE_RETRY_MIN_S",
     "PROBE_TIMEOUT_S",
@@ -99,6 +103,25 @@ class _Replica(Protocol):
 
     async def weight_version(self, timeout: float) -> str: ...
 
+    async def is_sleeping(self, timeout: float) -> bool: ...
+
+
+#: The hint after a replica that answers /health but not the dev routes it is driven by.
+DEV_ROUTES_HINT = (
+    "the dispatcher drives vLLM's dev routes (sleep, wake, weights): start vLLM with "
+    "VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode, and check --replica"
+)
+
+
+async def _dev_routes(replica: _Replica) -> str | None:
+    """None when ``GET /is_sleeping`` answers (a vLLM whose dev routes the dispatcher can
+    drive), else why not, in words (a 404: no dev mode, or not a vLLM at that URL)."""
+    try:
+        await replica.is_sleeping(PROBE_TIMEOUT_S)
+    except DispatchError as e:
+        return f"{e}; {DEV_ROUTES_HINT}"
+    return None
+
 
 async def probe_replica(
     health: Health, replica: _Replica, on_lost: Callable[[str], None] | None = None
@@ -106,9 +129,17 @@ async def probe_replica(
     """One ``GET /health`` of ``replica`` and, when a revision is loaded, one ``GET
     /weight_info`` (each bounded by ``PROBE_TIMEOUT_S``). ``on_lost(why)`` is called when
     the replica may not be the one loaded any more: it failed the probe (a new process
-    may come up at its URL), or its label is not the revision loaded (``weights``)."""
+    may come up at its URL), or its label is not the revision loaded (``weights``).
+
+    A replica not known to be healthy (first sight, or after a failure) must also answer
+    ``GET /is_sleeping``: one that answers ``/health`` but not the dev routes (vLLM without
+    ``VLLM_SERVER_DEV_MODE=1``, or another server at the URL) would fail every turn's wake,
+    and each such turn parks the other workload for nothing. Once healthy, ``/health``
+    alone is asked (a dev call reaches the engine process, a plain health check does not)."""
     epoch, known = replica.epoch, replica.known_version
     error = await replica.check_health(PROBE_TIMEOUT_S)
+    if error is None and health.state(Check.REPLICA) is not True:
+        error = await _dev_routes(replica)
     if error is None and known is not None:
         try:
             label = await replica.weight_version(PROBE_TIMEOUT_S)

@@ -54,6 +54,11 @@ __all__ = [
     "Sender",
 ]
 
+# A send is bounded by its request's deadline and this much more: the ticker expires the
+# request at its deadline (TurnLoop._ticker wakes for it), which cancels the send first,
+# so a request that simply ran out of time never reads as a replica that did not answer.
+EXPIRE_SLACK_S = 0.5
+
 # The logger of dispatcher.serve, as before the send side moved here (logs are filtered by it).
 log = logging.getLogger("dispatcher.serve")
 
@@ -144,12 +149,18 @@ class Sender:
         self._on_foreign = on_foreign
         self._refusals: tuple[TurnState | None, int] = (None, 0)  # foreign results in a row
 
-    def sendable(self, p: Pending, now: float) -> bool:
+    def sendable(self, p: Pending, now: float, wall: float | None = None) -> bool:
+        """Whether ``p`` may be sent at ``now`` (trio's clock) and ``wall`` (Unix time,
+        default now): not in flight, not waiting for a retry or for its result's commit,
+        and not past its deadline. A request past its deadline has failed for its client
+        the moment the deadline passed (``Store.get``), whether or not the ticker has
+        journaled that yet (a restart, a full disk): it is never sent afterwards."""
         # A result waiting for its group commit is not sent again (dispatcher.journal).
         return (
             p.id not in self._in_flight
             and self._retry_at.get(p.id, 0.0) <= now
             and not self.journal.queued(p.id)
+            and p.deadline > (time.time() if wall is None else wall)
         )
 
     def fill(self, sends: trio.Nursery, cur: TurnState, revision: str, now: float) -> None:
@@ -157,11 +168,12 @@ class Sender:
         if free <= 0:
             return
         size = self.cfg.batch_prompts
+        wall = time.time()
         if size <= 1:
             for p in self.store.iter_pending(revision):
                 if free <= 0:
                     break
-                if self.sendable(p, now):
+                if self.sendable(p, now, wall):
                     self._start(sends, cur, [p])
                     free -= 1
             return
@@ -172,7 +184,7 @@ class Sender:
         for p in self.store.iter_pending(revision):
             if free <= 0 or budget <= 0:
                 break
-            if not self.sendable(p, now):
+            if not self.sendable(p, now, wall):
                 continue
             budget -= 1
             key = self._batch_key(p)
@@ -260,7 +272,7 @@ class Sender:
         body = request_body(p, self.cfg.model or "")
         if not self.cfg.model:
             del body["model"]  # vLLM serves its only model
-        timeout = max(1.0, p.deadline - time.time())
+        timeout = max(1.0, p.deadline - time.time()) + EXPIRE_SLACK_S
         try:
             raw, answer = await self.replica.complete_raw(p.kind, body, timeout)
         except ReplicaError as e:
@@ -290,7 +302,7 @@ class Sender:
             del body["model"]
         # The latest deadline: an earlier one expires its sample, which cancels the send.
         last = max(p.deadline for p in ps)
-        timeout = max(1.0, last - time.time())
+        timeout = max(1.0, last - time.time()) + EXPIRE_SLACK_S
         try:
             _, answer = await self.replica.complete_raw("completion", body, timeout)
         except ReplicaError as e:

@@ -106,6 +106,7 @@ turns are retried with the backoff above.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -219,7 +220,7 @@ class TurnLoop:
         self.phase = Phase.IDLE
         self.turn: int | None = None
         self.journal: Journal | PoolJournal = pool.journal if pool else Journal(store)
-        self.health = Health(on_change=self._problem_changed)
+        self.health = Health(on_change=self._problem_changed, on_state=self._check_changed)
         self.recovery = Recovery(
             replica, self.health, cfg.workload, current=lambda: self._current,
             signal=lambda: self.serving.signal(),
@@ -243,6 +244,18 @@ class TurnLoop:
 
     def _problem_changed(self, problem: Problem | None) -> None:
         self.events.publish("problem", **problem_fields(problem))
+
+    def _check_changed(self, check: Check) -> None:
+        if check is Check.REPLICA:  # the loop may ask for a turn now, or must not
+            self.serving.signal()
+
+    def _replica_unusable(self) -> bool:
+        """Whether a turn would find the replica unusable: while probing, a turn is asked
+        for only once the replica answered its last probe (``GET /health``, and its dev
+        routes on first sight), so a dead or misconfigured replica parks nobody (a turn
+        that finds it dead makes the check fail: at most that one park). Without the
+        probe (an injected slicerd connection) the turn itself finds out."""
+        return self._probe and self.health.state(Check.REPLICA) is not True
 
     def _refresh_health(self) -> None:
         """The checks derived from state (store, loads, weights): at every ``/status``,
@@ -487,22 +500,36 @@ class TurnLoop:
         finally:
             await self._drop_connection()
 
+    def _expire(self) -> bool:
+        """Fail the requests past their deadline now; False when the store could not."""
+        try:
+            self.serving.expire(time.time())
+        except DispatchError as e:
+            log.error("expire failed (retried in 1 s): %s", e)
+            return False
+        return True
+
     async def _ticker(self) -> None:
-        """Every second: fail requests past their deadline, cancel their sends."""
+        """Every second, and at each request's deadline: fail requests past their
+        deadline, cancel their sends (``sending.EXPIRE_SLACK_S`` after it, a send's own
+        bound would call the replica silent)."""
         while True:
-            try:
-                self.serving.expire(time.time())
-            except DispatchError as e:
-                log.error("expire failed (retried in 1 s): %s", e)
+            self._expire()
             try:
                 self._refresh_health()
             except DispatchError as e:
                 log.error("health refresh failed (retried in 1 s): %s", e)
-            await trio.sleep(1.0)
+            wait = 1.0
+            with contextlib.suppress(DispatchError):
+                due = self.store.next_deadline()
+                if due is not None:
+                    wait = min(wait, max(0.005, due - time.time()))
+            await trio.sleep(wait)
 
     async def _loop(self) -> None:
         backoff = BACKOFF_MIN_S
         while True:
+            self._expire()  # a request past its deadline wants no turn (the ticker may lag)
             if not self.store.wants_turn():
                 self._enter(Phase.IDLE)
                 if self.pool is not None:
@@ -516,8 +543,14 @@ class TurnLoop:
                 await self.serving.wait_change(1.0)
                 continue
             wait = self.serving.load_wait(trio.current_time())
+            if wait is None and self._replica_unusable():
+                wait = 1.0  # until the probe says it answers (which signals at once)
             if wait is not None:
-                self._enter(Phase.BACKOFF)  # no turn only to find every revision backed off
+                # No turn only to find every revision backed off, or the replica dead:
+                # either would park the other workload for nothing.
+                self._enter(Phase.BACKOFF)
+                if self.pool is not None:
+                    await self.pool.let_go()  # let other replicas cover the pool meanwhile
                 await self.serving.wait_change(min(wait, 1.0))
                 continue
             failed: list[Exception] = []

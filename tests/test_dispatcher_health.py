@@ -26,6 +26,7 @@ import trio
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from gpu_slicer.dispatcher.errors import ReplicaError
 from gpu_slicer.dispatcher.events import follow_events
 from gpu_slicer.dispatcher.health import (
     Check,
@@ -38,7 +39,13 @@ from gpu_slicer.dispatcher.health import (
     workload_unknown,
 )
 from gpu_slicer.dispatcher.model import TurnConfig
-from gpu_slicer.dispatcher.probe import PROBE_INTERVAL_S, probe, probe_daemon, probe_replica
+from gpu_slicer.dispatcher.probe import (
+    DEV_ROUTES_HINT,
+    PROBE_INTERVAL_S,
+    probe,
+    probe_daemon,
+    probe_replica,
+)
 from gpu_slicer.dispatcher.store import Store
 from gpu_slicer.dispatcher.turns import TurnLoop
 from gpu_slicer.dispatcher.vllm import Replica
@@ -136,6 +143,7 @@ class FakeReplica:
         self.label = "default"
         self.label_reads = 0
         self.during_read: Callable[[], None] | None = None
+        self.dev_error: str | None = None  # GET /is_sleeping's failure, if any
 
     async def check_health(self, timeout: float) -> str | None:
         return self.error
@@ -145,6 +153,11 @@ class FakeReplica:
         if self.during_read is not None:
             self.during_read()
         return self.label
+
+    async def is_sleeping(self, timeout: float) -> bool:
+        if self.dev_error is not None:
+            raise ReplicaError(self.dev_error, 404)
+        return True
 
 
 class FakeConn:
@@ -267,6 +280,28 @@ async def test_a_replica_with_other_weights_is_a_problem_and_is_forgotten() -> N
         await probe_replica(h, rep, lost.append)
         assert lost[-1] == rep.error and h.state(Check.REPLICA) is False
     assert [c and c.check for c in changes].count(Check.WEIGHTS) == 1
+
+
+async def test_a_replica_without_dev_routes_is_unhealthy_until_they_answer() -> None:
+    """/health alone does not make a replica healthy on first sight: its dev routes must
+    answer too (a vLLM without VLLM_SERVER_DEV_MODE=1, another server at the URL); once
+    healthy, /health alone is asked."""
+    h, _, _ = _health()
+    rep, lost = FakeReplica(), []
+    rep.error, rep.dev_error = None, "GET http://127.0.0.1:9/is_sleeping: HTTP 404: Not Found"
+    with trio.fail_after(10):
+        await probe_replica(h, rep, lost.append)
+        assert h.state(Check.REPLICA) is False and h.problem is not None
+        assert h.problem.what == (
+            "replica unhealthy (http://127.0.0.1:9: GET /is_sleeping: HTTP 404: Not Found; "
+            f"{DEV_ROUTES_HINT})"
+        )
+        rep.dev_error = None
+        await probe_replica(h, rep, lost.append)
+        assert h.state(Check.REPLICA) is True
+        rep.dev_error = "GET http://127.0.0.1:9/is_sleeping: no answer within 5 s"
+        await probe_replica(h, rep, lost.append)  # healthy: only /health is asked
+        assert h.state(Check.REPLICA) is True and lost == []
 
 
 async def test_the_workload_problem_has_one_wording_whoever_found_it(tmp_path: Path) -> None:
