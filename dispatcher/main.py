@@ -4,6 +4,7 @@
         [--socket S] [--state-dir D] [--pool NAME] [--listen HOST:PORT | --listen-unix PATH]
         [--weight-check spans|label] [--max-send-errors N] [--max-load-failures N]
         [--no-check-revision-paths] [--sync normal|full] [--batch-prompts N]
+        [--concurrency N] [--max-idle-connections N]
         [--sleep-level auto|1|2] [--lazy-sleep/--no-lazy-sleep] [--lazy-sleep-always]
         [--early-start auto|off|SIZE]
         [--queue REDIS_URL [--consumer NAME] [--reclaim-idle S] [--result-ttl S]
@@ -27,7 +28,9 @@ sample's result is the answer's top-level fields with its own choices (renumbere
 the ``usage`` of the whole send, and ``"batch": {"size": K, "position": I}``. A batch vLLM
 refuses (400/422) is sent again one sample per request, so a bad prompt fails alone with
 vLLM's own error. Chat samples are never batched. ``--concurrency`` bounds the sends in
-flight (a batch is one). See :mod:`dispatcher.serve`.
+flight (a batch is one); once a burst is over, at most ``--max-idle-connections`` (32)
+of the connections it opened stay open to the replica, the others are closed as their
+sends end. See :mod:`dispatcher.serve`.
 
 ``--sleep-level`` is vLLM's sleep level at each turn's end: ``1`` copies the weights to
 host RAM and back, ``2`` drops them (the next wake loads them: ``/wake_up?tags=weights``,
@@ -118,7 +121,7 @@ from gpu_slicer.dispatcher.model import (
 )
 from gpu_slicer.dispatcher.store import SYNC_MODES, Store
 from gpu_slicer.dispatcher.turns import RELEASE_TIMEOUT_S, TurnLoop
-from gpu_slicer.dispatcher.vllm import Replica
+from gpu_slicer.dispatcher.vllm import MAX_IDLE_CONNECTIONS, Replica
 from gpu_slicer.slicer.exits import OneLineCommand, single_error
 
 if TYPE_CHECKING:
@@ -147,7 +150,9 @@ async def _run(
     store: Store | None, replica_url: str, cfg: TurnConfig, bind: str, pool: _PoolArgs | None
 ) -> None:
     async with contextlib.AsyncExitStack() as stack:
-        replica = await stack.enter_async_context(Replica(replica_url))
+        replica = await stack.enter_async_context(
+            Replica(replica_url, max_idle=cfg.max_idle_connections)
+        )
         link: PoolLink | None = None
         queue: Store | PoolStore
         if pool is not None:
@@ -246,6 +251,9 @@ def _bind(listen: str | None, listen_unix: str | None) -> str:
 @click.option("--sample-deadline", type=startup.SECONDS, default=3600.0, show_default=True,
               help="seconds a request may stay pending before it fails (> 0)")  # fmt: skip
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--max-idle-connections", type=click.IntRange(0, 4096),
+              default=MAX_IDLE_CONNECTIONS, show_default=True,
+              help="idle keep-alive connections kept to the replica after a burst")  # fmt: skip
 @click.option(
     "--weight-check",
     type=click.Choice(WEIGHT_CHECKS),
@@ -299,6 +307,7 @@ def main(
     turn_grace: float,
     sample_deadline: float,
     concurrency: int,
+    max_idle_connections: int,
     weight_check: str,
     max_send_errors: int,
     max_load_failures: int,
@@ -340,6 +349,7 @@ def main(
             turn_grace=turn_grace,
             sample_deadline=sample_deadline,
             concurrency=concurrency,
+            max_idle_connections=max_idle_connections,
             weight_check=weight_check,
             max_send_errors=max_send_errors,
             max_load_failures=max_load_failures,

@@ -137,6 +137,7 @@ class TurnConfig:
     turn_grace: float = 10.0
     sample_deadline: float = 3600.0
     concurrency: int = 64
+    max_idle_connections: int = 32  # slicer-dispatch --max-idle-connections (dispatcher.vllm)
     acquire_wait: float = 60.0
     wake_timeout: float = 300.0
     load_timeout: float = 1800.0

@@ -56,9 +56,13 @@ import trio
 from gpu_slicer.dispatcher import wire
 from gpu_slicer.dispatcher.errors import ReplicaError
 
-__all__ = ["CONTROL_TIMEOUT_S", "Replica", "parse_sleep_state"]
+__all__ = ["CONTROL_TIMEOUT_S", "MAX_IDLE_CONNECTIONS", "Replica", "parse_sleep_state"]
 
 CONTROL_TIMEOUT_S = 30.0
+# Idle keep-alive connections kept to the replica once a burst is over (--max-idle-
+# connections): a burst of `concurrency` sends opens that many, and each idle one costs the
+# replica a socket and a buffer until its keep-alive timeout closes it.
+MAX_IDLE_CONNECTIONS = 32
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 _SLEEP_MODES = ("abort", "wait", "keep")
 _SLEEP_STATE = re.compile(r'sleep_state="([a-z_]+)"[^}]*\}\s+(\S+)')
@@ -116,7 +120,9 @@ def _clean(text: str) -> str:
 
 
 class Replica:
-    """One vLLM server at ``base_url`` (e.g. ``http://127.0.0.1:8000``)."""
+    """One vLLM server at ``base_url`` (e.g. ``http://127.0.0.1:8000``); at most
+    ``max_idle`` idle connections are kept to it (those past it close when their send
+    ends)."""
 
     def __init__(
         self,
@@ -124,6 +130,7 @@ class Replica:
         *,
         connect_timeout: float = 5.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        max_idle: int = MAX_IDLE_CONNECTIONS,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.epoch = 0
@@ -133,13 +140,15 @@ class Replica:
         self.awake = False  # we left it fully awake (a lazy release); unknown: False
         self._wire = (
             None if transport is not None
-            else wire.Pool.from_url(self.base_url, connect_timeout=connect_timeout)
+            else wire.Pool.from_url(
+                self.base_url, max_idle=max_idle, connect_timeout=connect_timeout
+            )
         )  # fmt: skip
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             transport=transport,
             # Concurrency is bounded by the turn loop; here only idle connections are.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max_idle),
             timeout=httpx.Timeout(None, connect=connect_timeout),
         )
 

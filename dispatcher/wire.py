@@ -100,7 +100,7 @@ class Pool:
         port: int,
         prefix: str = "",
         *,
-        max_idle: int = 64,
+        max_idle: int = 32,
         max_body: int = MAX_BODY,
         connect_timeout: float | None = None,
     ) -> None:
@@ -115,7 +115,7 @@ class Pool:
 
     @classmethod
     def from_url(
-        cls, url: str, *, max_idle: int = 64, connect_timeout: float | None = None
+        cls, url: str, *, max_idle: int = 32, connect_timeout: float | None = None
     ) -> Pool | None:
         """A pool for a plain ``http://host[:port][/prefix]`` URL, else None (https, user
         info, a query: left to httpx)."""

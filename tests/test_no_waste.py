@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import trio
 
@@ -203,4 +204,36 @@ async def test_a_request_failed_at_its_deadline_across_a_restart_is_never_sent()
                 await lw.line(lambda s: "/health?marker" in s)
                 sent = [s for s in lw.lines if "POST /v1/completions" in s]
                 assert len(sent) == 1, sent  # only "fresh": "late" had failed
+            assert stack.overlaps() == 0
+
+
+def connections_to(pid: int, port: int) -> int:
+    """Open TCP connections of process ``pid`` to ``port`` on this host."""
+    return sum(
+        1
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
+
+
+async def test_a_burst_leaves_at_most_32_idle_connections_to_the_replica() -> None:
+    with trio.fail_after(120):
+        async with (
+            running_stack() as stack,
+            replica(stack, "cooperative", "--tokens-per-s", "200") as (_, url),
+        ):
+            port = httpx.URL(url).port
+            assert port is not None
+            async with dispatcher(stack, url) as (d, http):  # the default concurrency: 64
+                await publish(stack, http, "r1")
+                r = await http.post(
+                    "/v1/samples/batch",
+                    json={"requests": [{"prompt": f"b{i}", "max_tokens": 8} for i in range(80)]},
+                )
+                assert r.status_code == 202, r.text
+                ids = [x["id"] for x in r.json()["samples"]]
+                for sid in ids:
+                    assert (await result_of(http, sid))["status"] == "done"
+                assert 0 < connections_to(d.proc.pid, port) <= 32
+                await stop(d)
             assert stack.overlaps() == 0
