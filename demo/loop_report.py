@@ -48,6 +48,15 @@ def vllm_phases(events: Path) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def wasted_turns(events: Path) -> int:
+    """The sampler's wasted turns (the dispatcher's ``released`` events that say
+    ``wasted``: granted after a park, nothing loaded or served)."""
+    if not events.exists():
+        return 0
+    lines = events.read_text(errors="replace").splitlines()
+    return sum(1 for e in map(json.loads, lines) if e["event"] == "released" and e.get("wasted"))
+
+
 def build_loop_report(
     opts: argparse.Namespace, rec: Recording, ledger: Ledger | None, base: Path
 ) -> dict[str, Any]:
@@ -100,6 +109,8 @@ def build_loop_report(
         "vllm": vllm,
         "vllm_stats": {k: _ms_stats([s["ms"] for s in v]) for k, v in phases.items()},
         "requests": {"expected": expected, "served": served, "per_revision": per_revision},
+        "trainer_parks": a["stats"]["trainer"]["park"]["count"],
+        "wasted_turns": wasted_turns(base / EVENTS_FILE),
         "overlaps": overlaps,
         "overlap_log": ledger.overlap_log() if ledger is not None else [],
         "exit_codes": rec.exit_codes,
@@ -165,7 +176,8 @@ def render_loop(r: dict[str, Any]) -> str:
         *render_stats(r, extra),
         "  (slicerd parks the sampler by verifying it slept: park=cooperative)",
         "",
-        f"handoffs: {r['handoffs']}",
+        f"handoffs: {r['handoffs']}; trainer parks: {r['trainer_parks']}; wasted turns: "
+        f"{r['wasted_turns']} (granted after a park, nothing loaded or served)",
         f"GPU busy: {r['busy_fraction'] * 100:.1f}% of the run held by the trainer or the sampler "
         "(the rest: park, restore, granting, idle)",
         f"overlaps: {_overlaps(r)}",

@@ -10,7 +10,8 @@ dispatcher") lists them:
 ``slicer_dispatch_store_damaged`` (gauge), and the counters ``slicer_dispatch_done_total``,
 ``failed_total``, ``turns_total``, ``turn_errors_total``, ``loads_total``,
 ``load_failures_total``, ``sends_total``, ``batched_samples_total``,
-``send_errors_total``, ``commits_total``, ``expired_total``, ``rejects_total{reason}``.
+``send_errors_total``, ``commits_total``, ``expired_total``, ``wasted_turns_total``,
+``rejects_total{reason}``.
 
 In pool mode (``--queue``) also, from the pool's last poll (every dispatcher of a pool
 exports the same pool-wide values: aggregate them with ``max``, not ``sum``):
@@ -99,6 +100,10 @@ class DispatchCollector(Collector):
         yield one("store_damaged", "gauge", "1 while the store's database is damaged.", damaged)
         yield one("commits_total", "counter", "Results committed.", c.commits)
         yield one("expired_total", "counter", "Requests failed by deadline.", c.expired)
+        yield one(
+            "wasted_turns_total", "counter", "Turns granted (the replica woken: a park paid "
+            "for) in which nothing was loaded or served.", c.wasted_turns,
+        )  # fmt: skip
         rejects = [({"reason": r}, float(n)) for r, n in sorted(c.rejects.items())]
         yield family("rejects_total", "counter", "Answers not committed, by reason.", rejects)
         if "pool_mode" in st:

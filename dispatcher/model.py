@@ -240,6 +240,10 @@ class Counters:
     wakes_skipped: int = 0  # turns that found the replica still awake: no wake, no load
     early_starts: int = 0  # EARLY received: weights woken (and loaded) before the grant
     early_failed: int = 0  # early starts whose wake or load failed (the turn redoes them)
+    # Granted turns that did no work (loaded nothing, served nothing) although the replica
+    # had to be woken for them (a park of the other workload was paid): the figure that
+    # must stay 0.
+    wasted_turns: int = 0
     rejects: Counter[str] = field(default_factory=Counter)
 
 
@@ -262,3 +266,8 @@ class TurnState:
     serving_since: float | None = None  # trio clock
     replica_failed: str | None = None
     load_broke: bool = False  # a load broke in this turn: the next one recovers first
+    # Work done in the turn: a whole load (an early start's too), or an answer the replica
+    # gave that counts (a committed result, a request it refused for good). None of it,
+    # the replica woken for the turn: a wasted turn (Counters.wasted_turns).
+    worked: bool = False
+    wake_skipped: bool = False  # found still awake after a lazy release: nobody paid a park

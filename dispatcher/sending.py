@@ -401,6 +401,7 @@ class Sender:
         loaded = self.replica.known_version or ""
         if result_ok(p, answer, loaded, epoch, self.replica.epoch, label):
             self._refusals = (cur, 0)
+            cur.worked = True
             self._commit(cur, p, raw)  # as vLLM returned it
             return
         reason = _reject_reason(answer, p, epoch, self.replica.epoch, label)
@@ -432,6 +433,7 @@ class Sender:
         ``refusal`` vLLM's 400/422 fails the request for good; a failed check never does."""
         if refusal and e.status in _PERMANENT and self.store.is_pending(p.id):
             self.counters.refused_by_replica += 1
+            cur.worked = True  # vLLM judged it: the turn was used, if only to say no
             self._fail(p, f"refused by the replica (HTTP {e.status}): {e}")
             return
         self.counters.rejects["error"] += 1

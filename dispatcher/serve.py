@@ -366,6 +366,7 @@ class Serving:
         except ReplicaError:
             cur.load_broke = True
             raise
+        cur.worked = True
         if self.replica.kv_asleep:
             await self.wake_kv_cache(cur)
 

@@ -586,6 +586,7 @@ class TurnLoop:
         slicer = self._slicer
         self._enter(Phase.ACQUIRING)
         t0 = time.monotonic()
+        loads = self.counters.loads  # an early start's load (before the grant) is work too
         try:
             wait = self.cfg.acquire_wait
             if self.pool is not None:  # ask again soon: others may serve the backlog first
@@ -609,7 +610,7 @@ class TurnLoop:
             raise
         self.health.ok(Check.DAEMON)
         self.health.ok(Check.WORKLOAD)
-        cur = TurnState(turn)
+        cur = TurnState(turn, worked=self.counters.loads > loads)
         told = [m for m in slicer.events if isinstance(m, proto.Waiting) and m.turn == turn.turn]
         if told:
             cur.waiting_seen_at = trio.current_time()
@@ -705,6 +706,7 @@ class TurnLoop:
             self._enter(Phase.WAKING)
             t0 = time.monotonic()
             if self.replica.awake and await self._still_awake(n):
+                cur.wake_skipped = True  # nobody was parked for this turn
                 self.health.ok(Check.REPLICA)
                 return
             if self.replica.kv_asleep and not self.replica.dropped:
@@ -837,6 +839,7 @@ class TurnLoop:
             log.info("turn %d: left awake (nobody waiting)", n)
         else:
             await self._sleep(n, level)
+        wasted = self._count_waste(cur, reason)
         self._enter_ending(Phase.RELEASING)
         released: str | None = "the slicerd connection broke during the turn"
         if self._slicer is slicer:
@@ -851,9 +854,19 @@ class TurnLoop:
                 await self._drop_connection()
         extra = {} if released is None else {"error": released}
         self.events.publish("released", turn=n, reason=reason, ok=released is None, lazy=lazy,
-                            **extra)  # fmt: skip
+                            used=cur.worked, wasted=wasted, **extra)  # fmt: skip
         self._current, self.turn = None, None
         self._enter_ending(Phase.IDLE)
+
+    def _count_waste(self, cur: TurnState, reason: str) -> bool:
+        """Whether ``cur`` was a wasted turn: nothing loaded or served, and the replica had
+        to be woken for it (a park was paid); counts and logs it."""
+        if cur.worked or cur.wake_skipped:
+            return False
+        self.counters.wasted_turns += 1
+        log.warning("turn %d: wasted (ended %s with nothing loaded or served; %d so far)",
+                    cur.turn.turn, reason, self.counters.wasted_turns)  # fmt: skip
+        return True
 
     async def _sleep(self, n: int, level: int) -> None:
         """The sleep at a turn's end, at ``level`` (a failure is logged and published;

@@ -147,6 +147,9 @@ def test_loop_demo_serves_every_request_with_its_revision(tmp_path: Path) -> Non
     for a, b in itertools.pairwise(turns):
         assert a["end"] is not None and a["end"] <= b["start"], (a, b)
     assert r["handoffs"] >= 2 and r["stats"]["trainer"]["park"]["count"] >= 1
+    # Every park of the trainer bought the sampler a turn it used (the dispatcher's count).
+    assert r["trainer_parks"] == r["stats"]["trainer"]["park"]["count"], why
+    assert r["wasted_turns"] == 0, why
     assert all(r["vllm_stats"][k]["count"] >= 1 for k in ("wake", "load", "sleep"))
     assert 0 < r["busy_fraction"] < 1
     # The PNG is there, valid, of the size the report declares.

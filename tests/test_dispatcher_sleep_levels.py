@@ -216,7 +216,7 @@ async def test_level_2_loads_before_serving_in_every_turn() -> None:
                 assert calls[-1] == "POST /sleep?level=2&mode=abort 200", calls
             c = (await status(http))["counters"]
             assert c["loads"] == c["turns"] == c["sleeps_level2"] == 3, c
-            assert c["sleeps_level1"] == 0, c
+            assert c["sleeps_level1"] == c["wasted_turns"] == 0, c
             await stop(d)
             assert stack.overlaps() == 0
 
@@ -281,11 +281,13 @@ async def test_a_failed_load_after_level_2_serves_nothing_sleeps_and_keeps_reque
             assert got["status"] == "pending", got
             st = await status(http)
             assert st["counters"]["load_failures"] == 1 and st["loaded_revision"] is None, st
+            assert st["counters"]["wasted_turns"] == 1, st  # woken, and nothing loaded
             await fault.post("/_stub/fault", json={"fail_reload": False})
             smark = len(lw.lines)
             got = await result_of(http, sid)  # the next turn, after the load's backoff
             assert got["status"] == "done", got
             assert_real(got["result"], "kept", "r1")
+            assert (await status(http))["counters"]["wasted_turns"] == 1  # that turn worked
             got_posts = await stub_posts(lw, smark, "/v1/completions")
             after = [x for x in got_posts if x != "POST /finish_weight_update 500"]
             assert after[: len(L2_WAKE)] == L2_WAKE, after

@@ -250,7 +250,7 @@ DISPATCH_SERIES = {
         f"slicer_dispatch_{name}": "counter"
         for name in [
             *("done", "failed", "turns", "turn_errors", "loads", "load_failures", "sends"),
-            *("batched_samples", "send_errors", "commits", "expired", "rejects"),
+            *("batched_samples", "send_errors", "commits", "expired", "wasted_turns", "rejects"),
         ]
     },
 }

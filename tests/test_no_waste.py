@@ -136,6 +136,7 @@ async def test_a_dead_replica_parks_nobody_and_is_served_once_it_answers() -> No
                     assert got["status"] == "done" and got["revision"] == "r1", got
                     st = await status(http)
                     assert st["counters"]["turns"] == 1, st["counters"]  # the one that served
+                    assert st["counters"]["wasted_turns"] == 0, st["counters"]
                     assert st["problem"] is None, st["problem"]
                     assert await trainer_parks(stack) >= 1  # parked for a turn that served
                     await stop(d)
