@@ -845,7 +845,7 @@ class TurnLoop:
         if self._slicer is slicer:
             try:
                 with trio.fail_after(RELEASE_TIMEOUT_S):
-                    await slicer.release(cur.turn)
+                    await slicer.release(cur.turn, used=cur.worked)
                 log.info("turn %d: released (%s)", n, reason)
                 released = None
             except (ClientError, trio.TooSlowError) as e:

@@ -116,11 +116,14 @@ class Acquire:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """``RELEASE <workload> turn=T [park=lazy|now]``: end turn `turn`."""
+    """``RELEASE <workload> turn=T [park=lazy|now] [used=1|0]``: end turn `turn`
+    (`used` False: the holder did no work in it, counted as an unused turn, and as a
+    wasted one when a park or restore was paid for it)."""
 
     workload: str
     turn: int
     park: ReleasePark = ReleasePark.LAZY
+    used: bool = True
 
 
 @dataclass(frozen=True, slots=True)

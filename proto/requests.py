@@ -67,7 +67,7 @@ _VERBS: dict[str, _Verb] = {
         True, ("gpu", "pid", "tree", "park", "parked_max", "fallback", "ask", "max_turn")
     ),
     "ACQUIRE": _Verb(True, ("wait", "early")),
-    "RELEASE": _Verb(True, ("turn", "park"), required=("turn",)),
+    "RELEASE": _Verb(True, ("turn", "park", "used"), required=("turn",)),
     "PARKED": _Verb(True, ("turn", "ok"), required=("turn",)),
     "UNREGISTER": _Verb(True),
     "STATUS": _Verb(False),
@@ -206,7 +206,8 @@ def _release(workload: str, pairs: dict[str, str]) -> Release:
     park = ReleasePark(
         parse_choice("RELEASE", "park", pairs.get("park", "lazy"), tuple(ReleasePark))
     )
-    return Release(workload, turn=turn, park=park)
+    used = parse_choice("RELEASE", "used", pairs.get("used", "1"), ("1", "0")) == "1"
+    return Release(workload, turn=turn, park=park, used=used)
 
 
 def _parked(workload: str, pairs: dict[str, str]) -> Parked:
@@ -252,7 +253,7 @@ def encode_request(msg: Request) -> bytes:
                 words.append(f"wait={check_seconds('ACQUIRE', 'wait', wait)}")
             if check_int("ACQUIRE", "early", early, 0, EARLY_LIMIT):
                 words.append(f"early={early}")
-        case Release(workload=workload, turn=turn, park=park):
+        case Release(workload=workload, turn=turn, park=park, used=used):
             words = [
                 "RELEASE",
                 _name("RELEASE", workload),
@@ -260,6 +261,8 @@ def encode_request(msg: Request) -> bytes:
             ]
             if park != ReleasePark.LAZY:
                 words.append(f"park={parse_choice('RELEASE', 'park', park, tuple(ReleasePark))}")
+            if not used:
+                words.append("used=0")
         case Parked(workload=workload, turn=turn, ok=ok):
             words = [
                 "PARKED",

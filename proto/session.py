@@ -300,9 +300,10 @@ class ClientSession:
         name = self._name(name)
         return self._send(Acquire(name, wait, early), lambda ok: _turn(name, ok))
 
-    def release(self, turn: Turn, park: str = "lazy") -> Call[dict[str, str]]:
-        """``RELEASE`` of `turn` (``park`` ``lazy`` or ``now``)."""
-        return self._send(Release(turn.workload, turn.turn, ReleasePark(park)), _fields)
+    def release(self, turn: Turn, park: str = "lazy", used: bool = True) -> Call[dict[str, str]]:
+        """``RELEASE`` of `turn` (``park`` ``lazy`` or ``now``; `used` False: no work was
+        done in it, so slicerd counts it as unused, or wasted when a park was paid)."""
+        return self._send(Release(turn.workload, turn.turn, ReleasePark(park), used), _fields)
 
     def parked(self, name: str, turn: int, ok: bool = True) -> Call[None]:
         """``PARKED``: the registrant's answer to a ``PARK`` (`ok` False: it could not)."""

@@ -216,11 +216,12 @@ def workload_table(workloads: list[dict[str, Any]]) -> str:
             w.get("last_park_ms"),
             w.get("last_restore_ms"),
             w.get("faults"),
+            w.get("wasted_turns"),
         ]
         for w in workloads
     ]
     headers = ["WORKLOAD", "GPU", "STATE", "TURN", "PIDS", "PARKS", "RESTORES"]
-    headers += ["PARK_MS", "RESTORE_MS", "FAULTS"]
+    headers += ["PARK_MS", "RESTORE_MS", "FAULTS", "WASTED"]
     if any(w.get("ns_pid") is not None for w in workloads):
         # A registrant in a pod knows its own numbers: the registered process's, there.
         for row, w in zip(rows, workloads, strict=True):

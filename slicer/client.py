@@ -221,9 +221,10 @@ class Slicer(SessionView):
         bytes ask for an early start (the `proto.Early` event; see `on_event`)."""
         return self._call(self._session.acquire(name, wait, early), None)
 
-    def release(self, t: Turn, park: str = "lazy") -> dict[str, str]:
-        """RELEASE the turn `t` (`park` "lazy" or "now")."""
-        return self._call(self._session.release(t, park), None)
+    def release(self, t: Turn, park: str = "lazy", used: bool = True) -> dict[str, str]:
+        """RELEASE the turn `t` (`park` "lazy" or "now"; `used` False: no work done in it,
+        counted by slicerd as an unused turn, or a wasted one when a park was paid)."""
+        return self._call(self._session.release(t, park, used), None)
 
     def parked(self, name: str, turn: int, ok: bool = True) -> None:
         """PARKED: answer a PARK (`ok` False: this registrant could not park it)."""

@@ -179,9 +179,10 @@ class AsyncCalls(SessionView):
         they may be used: see `on_event`)."""
         return await self._call(lambda: self._session.acquire(name, wait, early), None)
 
-    async def release(self, t: Turn, park: str = "lazy") -> dict[str, str]:
-        """RELEASE the turn `t` (`park` "lazy" or "now")."""
-        return await self._call(lambda: self._session.release(t, park), None)
+    async def release(self, t: Turn, park: str = "lazy", used: bool = True) -> dict[str, str]:
+        """RELEASE the turn `t` (`park` "lazy" or "now"; `used` False: no work done in it,
+        counted by slicerd as an unused turn, or a wasted one when a park was paid)."""
+        return await self._call(lambda: self._session.release(t, park, used), None)
 
     async def parked(self, name: str, turn: int, ok: bool = True) -> None:
         """PARKED: answer a PARK (`ok` False: this registrant could not park it)."""

@@ -66,6 +66,12 @@ class SlicerMetrics:
             ["gpu", "workload", "how"],
             registry=reg,
         )
+        self.wasted = Counter(
+            "slicer_turns_wasted",
+            "Turns released used=0 (no work done) after a park or restore paid for them.",
+            ["gpu", "workload"],
+            registry=reg,
+        )
         self.wait = Histogram(
             "slicer_acquire_wait_seconds",
             "Time from ACQUIRE to its grant.",
@@ -132,6 +138,8 @@ class SlicerMetrics:
                 self.wait.labels(gpu).observe(int(body.get("waited_ms", 0)) / 1000)
             case "released":
                 self._turn(self.ended, name, gpu, name, str(body.get("how")))
+                if body.get("wasted"):
+                    self._turn(self.wasted, name, gpu, name)
             case "parking":
                 self._moving[index] = ("park", name, 0)
             case "restoring":

@@ -120,6 +120,10 @@ class Workload:
     # another workload waits is taken back (`slicer.preempt`); None: never.
     max_turn: float | None = None
     preemptions: int = 0
+    # Turns its holder released as `used=0` (no work done in them), and those of them a
+    # park or restore was paid for (`Holder.paid`): wasted turns.
+    unused_turns: int = 0
+    wasted_turns: int = 0
     preempted_turn: int = 0  # the last turn taken back (a late RELEASE of it is told so)
     # A checkpoint park in flight: the processes handed to the tool and the bytes they
     # held, journaled before the tool runs so that a restarted daemon knows whom to ask.
@@ -187,6 +191,9 @@ class Holder:
     workload: Workload
     turn: int
     since: float
+    # A park (of anyone, on this GPU, while someone waited) or a restore of it came before
+    # this grant: a turn released `used=0` is then a wasted turn, not only an unused one.
+    paid: bool = False
 
 
 class OpKind(enum.StrEnum):
@@ -235,6 +242,7 @@ class Gpu:
     foreign: list[dict[str, int | str]] = field(default_factory=list)
     dirty: bool = True
     waiting_sent: bool = False
+    parked_since_grant: bool = False  # a park held since the last grant (`Holder.paid`)
     # waiters per workload id, kept with the queue so WAITING counts are O(1)
     waiting: dict[int, int] = field(default_factory=dict)
 

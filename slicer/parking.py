@@ -109,6 +109,9 @@ class ParkResults:
             w.to(WState.PARKED)
             w.parks += 1
             self.totals["parks"] += 1
+            # Paid for the next grant only when someone waits for the GPU: a holder's own
+            # `park=now` with nobody waiting is no cost of a later arrival's turn.
+            gpu.parked_since_grant = gpu.parked_since_grant or bool(gpu.queue)
             moved, procs = verdict.moved, verdict.procs
             w.last_park_ms, w.parked_bytes, w.parked_procs = ms, moved, procs
             how = "checkpoint" if procs else "cooperative"

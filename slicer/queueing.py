@@ -58,14 +58,14 @@ def notify_waiting(gpu: Gpu) -> list[Effect]:
     return [SendWaiting(holder.conn, holder.workload.name, holder.turn, n)]
 
 
-def end_turn(gpu: Gpu, now: float, fx: list[Effect], reason: str) -> Workload:
-    """End the turn held on `gpu` (its workload goes idle), appending its event to `fx`;
-    returns the workload."""
+def end_turn(gpu: Gpu, now: float, fx: list[Effect], reason: str, **extra: bool) -> Workload:
+    """End the turn held on `gpu` (its workload goes idle), appending its event to `fx`
+    (with `extra` fields: a RELEASE's ``used`` and ``wasted``); returns the workload."""
     assert gpu.holder is not None
     holder = gpu.holder
     w = holder.workload
     w.to(WState.IDLE)
     gpu.holder = None
-    fx.append(event("released", w, now, how=reason, turn_ended=holder.turn))
+    fx.append(event("released", w, now, how=reason, turn_ended=holder.turn, **extra))
     w.turn = None
     return w

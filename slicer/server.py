@@ -314,7 +314,9 @@ class Server:
                 case proto.Release():
                     conn.pending = True
                     park_now = req.park is proto.ReleasePark.NOW
-                    fx = self.sm.release(conn.cid, req.workload, req.turn, park_now, now)
+                    fx = self.sm.release(
+                        conn.cid, req.workload, req.turn, park_now, now, used=req.used
+                    )
                 case proto.Unregister():
                     conn.pending = True
                     fx = self.sm.unregister(conn.cid, req.workload, now)

@@ -79,7 +79,7 @@ class SlicerState(ParkResults):
         self._ops = itertools.count(1)
         self._wids = itertools.count(1)
         self.totals = {"grants": 0, "parks": 0, "restores": 0, "faults": 0, "preemptions": 0}
-        self.totals |= {"freezes": 0, "thaws": 0, "earlies": 0}
+        self.totals |= {"freezes": 0, "thaws": 0, "earlies": 0, "wasted_turns": 0}
         self._per_uid: dict[int, int] = {}
 
     # ---- lookups ---------------------------------------------------------------------
@@ -302,9 +302,11 @@ class SlicerState(ParkResults):
         return fx + self._reconcile(gpu, now)
 
     def release(
-        self, conn: ConnId, name: str, turn: int, park_now: bool, now: float
+        self, conn: ConnId, name: str, turn: int, park_now: bool, now: float, used: bool = True
     ) -> list[Effect]:
-        """RELEASE: end the turn `conn` holds; park lazily (or now) and promote."""
+        """RELEASE: end the turn `conn` holds; park lazily (or now) and promote. `used`
+        False: its holder did no work in it, an unused turn; a wasted one when a park or
+        restore was paid for its grant (counted per workload, in STATUS and metrics)."""
         gpu = holding(self.gpus.values(), conn)
         holder = gpu.holder if gpu is not None else None
         if gpu is None or holder is None or holder.turn != turn or holder.workload.name != name:
@@ -316,7 +318,11 @@ class SlicerState(ParkResults):
                 )
             raise errors.NotHolder(f"this connection does not hold turn {turn} of {name}")
         fx: list[Effect] = []
-        w = end_turn(gpu, now, fx, reason="released")
+        wasted = not used and holder.paid
+        w = end_turn(gpu, now, fx, reason="released", used=used, wasted=wasted)
+        w.unused_turns += not used
+        w.wasted_turns += wasted
+        self.totals["wasted_turns"] += wasted
         w.must_park = park_now
         w.park_reply = conn
         fx += self._reconcile(gpu, now)
@@ -625,7 +631,8 @@ class SlicerState(ParkResults):
         w.grants += 1
         gpu.grants += 1
         self.totals["grants"] += 1
-        gpu.holder = Holder(conn=waiter.conn, workload=w, turn=turn, since=now)
+        paid, gpu.parked_since_grant = restored or gpu.parked_since_grant, False
+        gpu.holder = Holder(conn=waiter.conn, workload=w, turn=turn, since=now, paid=paid)
         gpu.waiting_sent = False
         waited = max(0, int((now - waiter.since) * 1000))
         fx: list[Effect] = [

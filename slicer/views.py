@@ -72,6 +72,8 @@ def status_body(
                 "early": w.early,
                 "max_turn": w.max_turn,
                 "preemptions": w.preemptions,
+                "unused_turns": w.unused_turns,
+                "wasted_turns": w.wasted_turns,
                 "recovering": w.recover,
                 "fault_reason": w.fault_reason,
             }

@@ -108,6 +108,7 @@ class FakeSlicer:
         self.events: list[Any] = []
         self.granted = 0
         self.released: list[int] = []
+        self.used: list[bool] = []  # each RELEASE's used=
 
     async def connect(self) -> Any:
         return self
@@ -116,8 +117,9 @@ class FakeSlicer:
         self.granted += 1
         return Turn(workload, self.granted, False, 0)
 
-    async def release(self, turn: Turn, park: str = "lazy") -> dict[str, str]:
+    async def release(self, turn: Turn, park: str = "lazy", used: bool = True) -> dict[str, str]:
         self.released.append(turn.turn)
+        self.used.append(used)
         return {}
 
     async def next_message(self, timeout: float | None = None) -> Any:

@@ -925,7 +925,7 @@ def test_lazy_release_idle_state_and_counters(d: Driver) -> None:
     assert d.gpu(0)["resident"] == "a"
     assert d.gpu(0)["holder"] is None
     totals = {"grants": 1, "parks": 0, "restores": 0, "faults": 0, "preemptions": 0}
-    totals |= {"freezes": 0, "thaws": 0, "earlies": 0}
+    totals |= {"freezes": 0, "thaws": 0, "earlies": 0, "wasted_turns": 0}
     assert d.sm.status()["totals"] == totals
     d.acquire(D2, "a")
     assert not any(isinstance(e, Park | Restore) for e in d.effects)
