@@ -221,9 +221,11 @@ def _await_injection(
     start = time.monotonic()
     hang_max = float(os.environ.get("FAKEGPU_HANG_MAX", "600"))
     while True:
+        kind = ledger.injection(host, op)
+        # Looked at after the injection: the ledger reads a dead process as having none,
+        # and the op must then fail as gone, not proceed on it (a ledger error, 304).
         if process_identity(host) != ident:
             raise ToolError(f"Could not {op} process {pid}: process exited", _GONE)
-        kind = ledger.injection(host, op)
         if kind is None:
             return
         if kind == "fail":
