@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-The dispatcher depends on six things; each is one :class:`Check`, known to be ok, known
+The dispatcher depends on seven things; each is one :class:`Check`, known to be ok, known
 to be failing (with a sentence saying how), or not known yet:
 
 ==============  ==============================================================  ======
@@ -14,6 +14,7 @@ check           failing says                                                    
 ``replica``     ``replica unhealthy (URL: ...)``                                needed
 ``weights``     ``replica serves weights other than REV (...)``                 needed
 ``load``        ``last load error (revision R: ...)``                           no
+``gpu``         ``waiting for the GPU: held by W for N s (turn T); ...``         no
 ==============  ==============================================================  ======
 
 :class:`Health` holds them. Its *problem* is the first failing check in that order (a
@@ -31,6 +32,11 @@ known to be ok: the store takes writes, the last contact with slicerd worked, sl
 knows the workload, the replica answers ``/health``, and it serves the weights the
 dispatcher loaded. Anything else is 503 with the reason: the problem, or which check has
 not been made yet.
+
+``gpu`` fails while the loop has asked for a turn for ``WAIT_PROBLEM_S`` or longer and
+slicerd's STATUS (read by the probe) names another workload holding the GPU: the one
+silent wait a user can cause (a trainer that samples through the dispatcher from inside
+its own turn waits for itself). Its ``N`` is counted when the problem is read.
 
 ``weights`` fails when the replica at the URL is not the one the dispatcher loaded: its
 ``GET /weight_info`` label is not the revision loaded (read by the probe between turns and
@@ -70,11 +76,13 @@ from gpu_slicer.slicer.client import ClientError
 
 __all__ = [
     "READY_CHECKS",
+    "WAIT_PROBLEM_S",
     "Check",
     "Health",
     "Problem",
     "daemon_unreachable",
     "foreign_weights",
+    "gpu_held",
     "note_loads",
     "note_store",
     "problem_fields",
@@ -96,6 +104,7 @@ class Check(StrEnum):
     REPLICA = "replica"
     WEIGHTS = "weights"
     LOAD = "load"
+    GPU = "gpu"
 
 
 #: The checks ``GET /ready`` needs known to be ok.
@@ -107,7 +116,11 @@ _NOT_CHECKED = {
     Check.REPLICA: "the replica's health has not been checked yet",
     Check.WEIGHTS: "the replica's weights have not been checked yet",
     Check.LOAD: "no load has been tried yet",
+    Check.GPU: "no turn has been asked for yet",
 }
+#: How long a turn is asked for, the GPU held by another, before ``gpu`` fails.
+WAIT_PROBLEM_S = 10.0
+_HELD_FOR = "{held_for}"  # in a problem's words: the seconds since ``Problem.held_at``
 
 
 @dataclass(frozen=True)
@@ -119,11 +132,19 @@ class Problem:
     what: str
     since: float
     at: float
+    held_at: float | None = None  # the health clock that ``{held_for}`` in ``what`` counts from
+
+    def words(self, now: float) -> str:
+        """``what`` at ``now`` (the health clock): ``{held_for}`` as whole seconds."""
+        if self.held_at is None:
+            return self.what
+        return self.what.replace(_HELD_FOR, str(round(max(0.0, now - self.held_at))))
 
     def to_json(self, now: float) -> dict[str, Any]:
         """``{"what", "since": ISO 8601 UTC, "for_s"}`` at ``now`` (the health clock)."""
         since = datetime.fromtimestamp(self.since, UTC).isoformat(timespec="milliseconds")
-        return {"what": self.what, "since": since, "for_s": round(max(0.0, now - self.at), 3)}
+        return {"what": self.words(now), "since": since,
+                "for_s": round(max(0.0, now - self.at), 3)}  # fmt: skip
 
 
 def daemon_unreachable(socket: str, error: BaseException) -> str:
@@ -149,6 +170,17 @@ def foreign_weights(url: str, wanted: str) -> str:
     return (
         f"replica serves weights other than {wanted} ({url}: a new replica process, or "
         f"weights loaded by someone else); recovering it and loading {wanted} again"
+    )
+
+
+def gpu_held(holder: str, turn: int | None) -> str:
+    """The problem's words for a turn asked for while ``holder`` holds the GPU (its
+    ``turn``); ``{held_for}`` is filled in when read (:meth:`Problem.words`)."""
+    of = f" (turn {turn})" if turn is not None else ""
+    return (
+        f"waiting for the GPU: held by {holder} for {_HELD_FOR} s{of}; if {holder} sent "
+        f"these requests from inside its own turn it waits for itself: release the turn "
+        f"before sampling"
     )
 
 
@@ -184,6 +216,7 @@ class Health:
         self._ok[Check.STORE] = True  # the store was opened (its schema written) before us
         self._ok[Check.LOAD] = True
         self._ok[Check.WEIGHTS] = True  # nothing loaded yet: nothing served other weights
+        self._ok[Check.GPU] = True  # no turn asked for: no wait
         self._failing: dict[Check, Problem] = {}
         self._current: Problem | None = None
 
@@ -195,13 +228,14 @@ class Health:
         self._failing.pop(check, None)
         self._changed()
 
-    def fail(self, check: Check, what: str) -> None:
+    def fail(self, check: Check, what: str, *, held_at: float | None = None) -> None:
         """``check`` fails, ``what`` saying how; a check already failing keeps its
-        ``since`` (the words may change)."""
+        ``since`` (the words may change). ``{held_for}`` in ``what`` reads as the whole
+        seconds since ``held_at`` (the health clock) whenever the problem is read."""
         self._set_state(check, False)
         old = self._failing.get(check)
         since, at = (old.since, old.at) if old is not None else (self._wall(), self._clock())
-        self._failing[check] = Problem(check, what, since, at)
+        self._failing[check] = Problem(check, what, since, at, held_at)
         self._changed()
 
     def forget(self, check: Check) -> None:
@@ -246,7 +280,7 @@ class Health:
             if state is None:
                 return _NOT_CHECKED[check]
             if state is False:
-                return self._failing[check].what
+                return self._failing[check].words(self._clock())
         return None
 
     def _changed(self) -> None:
@@ -254,11 +288,12 @@ class Health:
         old, self._current = self._current, new
         if (old and (old.check, old.what)) == (new and (new.check, new.what)):
             return
+        now = self._clock()
         if new is not None:
-            log.warning("problem: %s", new.what)
+            log.warning("problem: %s", new.words(now))
         elif old is not None:
-            took = max(0.0, self._clock() - old.at)
-            log.info("problem cleared after %.1f s: %s", took, old.what)
+            took = max(0.0, now - old.at)
+            log.info("problem cleared after %.1f s: %s", took, old.words(now))
         if self._on_change is not None:
             self._on_change(new)
 
@@ -268,7 +303,7 @@ def problem_fields(problem: Problem | None) -> dict[str, Any]:
     if problem is None:
         return {"check": None, "what": None, "since": None}
     since = problem.to_json(problem.at)["since"]
-    return {"check": problem.check.value, "what": problem.what, "since": since}
+    return {"check": problem.check.value, "what": problem.words(problem.at), "since": since}
 
 
 def note_store(health: Health, store_health: dict[str, Any]) -> None:

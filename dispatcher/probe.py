@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -58,10 +58,15 @@ PROBE_TIMEOUT_S = 5.0  # one probe of slicerd or of the replica, as a whole
 
 
 async def probe_daemon(
-    health: Health, connect: Callable[[], Awaitable[AsyncSlicer]], socket: str, workload: str
+    health: Health,
+    connect: Callable[[], Awaitable[AsyncSlicer]],
+    socket: str,
+    workload: str,
+    on_status: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     """One STATUS over a new slicerd connection (bounded by ``PROBE_TIMEOUT_S``): is
-    slicerd reachable, and does it know ``workload``?"""
+    slicerd reachable, and does it know ``workload``? ``on_status(body)`` is handed the
+    STATUS body (the turn loop reads who holds its GPU from it)."""
     try:
         with trio.fail_after(PROBE_TIMEOUT_S):
             slicer = await connect()
@@ -86,6 +91,8 @@ async def probe_daemon(
         health.fail(Check.DAEMON, daemon_unreachable(socket, Exception(why)))
         return
     health.ok(Check.DAEMON)
+    if on_status is not None:
+        on_status(st)
     names = {w.get("name") for w in st.get("workloads") or [] if isinstance(w, dict)}
     if workload in names:
         health.ok(Check.WORKLOAD)
@@ -175,12 +182,14 @@ async def probe(
     held: Callable[[], bool] = lambda: False,
     on_replica_lost: Callable[[str], None] | None = None,
     on_workload_lost: Callable[[], None] | None = None,
+    on_status: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     """Probe slicerd and the replica forever: every ``PROBE_INTERVAL_S`` while every
     check is ok, from ``PROBE_RETRY_MIN_S`` doubling while one fails or is not known.
     ``skip()`` true skips a round. While ``held()`` (a turn is held) only slicerd is
     probed, and ``on_workload_lost()`` is called when its STATUS lists no such workload;
-    ``on_replica_lost(why)`` as :func:`probe_replica`'s ``on_lost``."""
+    ``on_replica_lost(why)`` as :func:`probe_replica`'s ``on_lost``, ``on_status`` as
+    :func:`probe_daemon`'s."""
     retry = PROBE_RETRY_MIN_S
     probed = (Check.DAEMON, Check.WORKLOAD, Check.REPLICA)
     told = False  # a probe's bug was logged with its trace: repeats go to debug
@@ -189,7 +198,7 @@ async def probe(
             in_turn = held()
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(probe_daemon, health, connect, socket, workload)
+                    nursery.start_soon(probe_daemon, health, connect, socket, workload, on_status)
                     if not in_turn:
                         nursery.start_soon(probe_replica, health, replica, on_replica_lost)
             except Exception:

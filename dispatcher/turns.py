@@ -130,10 +130,12 @@ from gpu_slicer.dispatcher.errors import (
 )
 from gpu_slicer.dispatcher.events import EventStream, Subscription
 from gpu_slicer.dispatcher.health import (
+    WAIT_PROBLEM_S,
     Check,
     Health,
     Problem,
     daemon_unreachable,
+    gpu_held,
     note_loads,
     note_store,
     problem_fields,
@@ -169,6 +171,7 @@ RELEASE_TIMEOUT_S = 30.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 5.0
 STORE_BACKOFF_MAX_S = 30.0  # after a turn that a store failure ended
 CHANGING_TURNS = 2  # turns in a row that each loaded another revision: "changing" (auto)
+_ASKING = frozenset({Phase.ACQUIRING, Phase.PREPARING})
 
 
 def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:
@@ -241,6 +244,10 @@ class TurnLoop:
         self._slicer: AsyncSlicer | None = None
         self._probe = connect is None if probe is None else probe
         self._socket = socket_path(cfg.socket)
+        self._asking_since: float | None = None  # trio clock: a turn asked for since
+        # Who holds our GPU as slicerd's last STATUS said (workload, turn, first seen at):
+        # the "gpu" problem while we ask (the probe reads STATUS).
+        self._holder: tuple[str, int | None, float] | None = None
 
     def _problem_changed(self, problem: Problem | None) -> None:
         self.events.publish("problem", **problem_fields(problem))
@@ -248,6 +255,38 @@ class TurnLoop:
     def _check_changed(self, check: Check) -> None:
         if check is Check.REPLICA:  # the loop may ask for a turn now, or must not
             self.serving.signal()
+
+    def _on_status(self, st: dict[str, Any]) -> None:
+        """slicerd's STATUS (from the probe): remember who holds our workload's GPU."""
+        mine = next((w for w in st.get("workloads") or [] if isinstance(w, dict)
+                     and w.get("name") == self.cfg.workload), None)  # fmt: skip
+        gpus = [g for g in st.get("gpus") or [] if isinstance(g, dict)]
+        gpu = next((g for g in gpus if mine is not None and g.get("index") == mine.get("gpu")),
+                   None)  # fmt: skip
+        holder = gpu.get("holder") if gpu is not None else None
+        name = holder.get("workload") if isinstance(holder, dict) else None
+        if not isinstance(name, str) or name == self.cfg.workload:
+            self._holder = None
+            self._note_wait()
+            return
+        assert isinstance(holder, dict)
+        turn = holder.get("turn")
+        turn = turn if isinstance(turn, int) else None
+        if self._holder is None or self._holder[:2] != (name, turn):
+            self._holder = (name, turn, trio.current_time())
+        self._note_wait()
+
+    def _note_wait(self) -> None:
+        """The ``gpu`` check: failing while a turn has been asked for ``WAIT_PROBLEM_S``
+        or longer and another workload holds the GPU (its seconds since we saw it hold
+        it while asking are counted when read)."""
+        now, since, holder = trio.current_time(), self._asking_since, self._holder
+        if since is None or holder is None or now - since < WAIT_PROBLEM_S:
+            self.health.ok(Check.GPU)
+            return
+        name, turn, seen = holder
+        # Held since we first saw it held, or since we asked: it held the GPU all along.
+        self.health.fail(Check.GPU, gpu_held(name, turn), held_at=min(since, seen))
 
     def _replica_unusable(self) -> bool:
         """Whether a turn would find the replica unusable: while probing, a turn is asked
@@ -264,6 +303,7 @@ class TurnLoop:
         pending = set(self.store.pending_revisions())
         note_loads(self.health, self.serving.load_backoff(trio.current_time()), pending)
         self.recovery.refresh(bool(pending))
+        self._note_wait()
 
     def not_ready(self, revision: str | None = None) -> str | None:
         """Why ``GET /ready`` answers 503 (None: ready): the first needed check not known
@@ -286,8 +326,17 @@ class TurnLoop:
         <dispatcher.model.TRANSITIONS>` (raising before anything changed), then published."""
         if check_transition(self.phase, phase):
             previous, self.phase = self.phase, phase
+            self._asking(phase)
             self.events.publish("phase", phase=phase.value, previous=previous.value,
                                 turn=self.turn)  # fmt: skip
+
+    def _asking(self, phase: Phase) -> None:
+        # Since when a turn is asked for (ACQUIRING, PREPARING): the "gpu" problem's clock.
+        if phase not in _ASKING:
+            self._asking_since = None
+            self._note_wait()
+        elif self._asking_since is None:
+            self._asking_since = trio.current_time()
 
     def _enter_ending(self, phase: Phase) -> None:
         """:meth:`_enter` for the end of a turn: a change the table misses is logged at error
@@ -299,6 +348,7 @@ class TurnLoop:
             # held, the other workload parked) nor end the loop: the way out goes on.
             log.error("ending a turn: %s; going on all the same", e)
             previous, self.phase = self.phase, phase
+            self._asking(phase)
             self.events.publish("transition_error", phase=phase.value,
                                 previous=previous.value, turn=self.turn, error=str(e))  # fmt: skip
             self.events.publish("phase", phase=phase.value, previous=previous.value,
@@ -493,7 +543,8 @@ class TurnLoop:
                                 self.cfg.workload, self.replica,
                                 held=lambda: self._current is not None,
                                 on_replica_lost=self.recovery.forget,
-                                on_workload_lost=self.recovery.workload_lost)
+                                on_workload_lost=self.recovery.workload_lost,
+                                on_status=self._on_status)
                     )  # fmt: skip
                 task_status.started()
                 await self._loop()

@@ -238,3 +238,28 @@ async def test_a_burst_leaves_at_most_32_idle_connections_to_the_replica() -> No
                 assert 0 < connections_to(d.proc.pid, port) <= 32
                 await stop(d)
             assert stack.overlaps() == 0
+
+
+async def test_sampling_inside_the_holders_own_turn_is_named_as_the_problem() -> None:
+    with trio.fail_after(120):
+        async with running_stack() as stack, replica(stack) as (_, url):
+            holder = await stack.client()
+            async with holder, dispatcher(stack, url) as (d, http):
+                await holder.register("trainer", park="cooperative", parked_max="1GiB", tree=False)
+                turn = await holder.acquire("trainer")  # ... and samples inside its turn
+                await publish(stack, http, "r1")
+                r = await http.post("/v1/samples", json={"prompt": "hi", "max_tokens": 4})
+                st = await until_problem(http, says("waiting for the GPU: held by trainer for "))
+                what = st["problem"]["what"]
+                assert f"(turn {turn.turn})" in what and "release the turn before sampling" in what
+                held = int(
+                    what.removeprefix("waiting for the GPU: held by trainer for ").split()[0]
+                )
+                assert held >= 10, what
+                assert st["state"] == "acquiring" and st["counts"]["pending"] == 1, st
+                await holder.release(turn)
+                got = await result_of(http, r.json()["id"])
+                assert got["status"] == "done", got
+                assert (await status(http))["problem"] is None
+                await stop(d)
+            assert stack.overlaps() == 0
