@@ -6,8 +6,10 @@ The dispatcher talks to vLLM through a recording proxy in this test. For every c
 proxy notes, before forwarding it, whether slicerd says the replica's workload holds the
 GPU, how many generation calls are in flight, and how long vLLM took. From that record
 the test checks the order the dispatcher issue specifies, per turn: calls only inside a
-turn of the replica (the read-only health probes, ``GET /health`` and ``GET
-/weight_info``, excepted: they do no GPU work and are asked between turns too),
+turn of the replica (the read-only health probes, ``GET /health``, ``GET
+/is_sleeping`` and ``GET /weight_info``, excepted: they do no GPU work and are asked
+between turns too; ``/is_sleeping`` proves the dev routes answer before a turn is asked
+for),
 recovery (one bare finish) and a whole load before the first
 generation of a dispatcher's life, wake before any generation, a load whole (reload,
 label, prefix-cache reset, check) and never under a generation, sleep at the end of
@@ -228,7 +230,7 @@ async def swap_weights_behind_the_label(stack: Stack, url: str, models: Path) ->
 # The dispatcher's health probes (README, "What is wrong, and readiness"): read-only
 # questions that do no GPU work, asked between its turns too. Every call that can (wake,
 # load, generate, sleep) is held to the order below.
-PROBES = ("/health", "/weight_info")
+PROBES = ("/health", "/is_sleeping", "/weight_info")
 
 
 def _probe(c: Call) -> bool:
