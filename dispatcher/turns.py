@@ -565,14 +565,16 @@ class TurnLoop:
         deadline, cancel their sends (``sending.EXPIRE_SLACK_S`` after it, a send's own
         bound would call the replica silent)."""
         while True:
-            self._expire()
+            expired = self._expire()
             try:
                 self._refresh_health()
             except DispatchError as e:
                 log.error("health refresh failed (retried in 1 s): %s", e)
             wait = 1.0
+            # After a failed expire the past deadline is still the next one: waking for it
+            # would spin (and log) every few ms while the store fails; a second it is.
             with contextlib.suppress(DispatchError):
-                due = self.store.next_deadline()
+                due = self.store.next_deadline() if expired else None
                 if due is not None:
                     wait = min(wait, max(0.005, due - time.time()))
             await trio.sleep(wait)

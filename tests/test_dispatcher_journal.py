@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -350,3 +351,26 @@ async def test_a_result_queued_when_the_writer_stops_is_still_committed(tmp_path
         store.close()
     with Store(tmp_path, "pool-a") as again:
         assert again.get(p.id).raw == b"{}"
+
+
+async def test_a_failing_expire_is_retried_every_second_not_spun(
+    tmp_path: Path, autojump_clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ticker wakes at the next deadline; while the store cannot fail a request past
+    it (a full disk), that deadline stays the next one: it is retried every second, not
+    every few milliseconds (with an error logged each time)."""
+    with trio.fail_after(60):
+        async with journal_loop(tmp_path, turns=False) as (loop, _):
+            calls: list[float] = []
+
+            def failing(now: float) -> None:
+                calls.append(trio.current_time())
+                raise StoreError("disk full")
+
+            monkeypatch.setattr(loop.serving, "expire", failing)
+            monkeypatch.setattr(loop.store, "next_deadline", lambda: time.time() - 5)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(loop._ticker)
+                await trio.sleep(10)
+                nursery.cancel_scope.cancel()
+            assert 9 <= len(calls) <= 12, len(calls)
