@@ -21,15 +21,12 @@ from typing import Any
 from gpu_slicer.slicer import census, errors, procs
 from gpu_slicer.slicer.config import Config
 from gpu_slicer.slicer.gpu import GpuBackend, device_node_of, pid_namespace_of
-from gpu_slicer.slicer.model import RESIDENT, WState
+from gpu_slicer.slicer.model import WState
 from gpu_slicer.slicer.park import Parker
 from gpu_slicer.slicer.readings import Census
 from gpu_slicer.slicer.state import SlicerState
 
 log = logging.getLogger("slicer.server")
-
-# Who the state machine does not hold to its budget right now (elimination's suspects).
-SUSPECT = RESIDENT | {WState.PARKING, WState.RESTORING}
 
 
 def census_mode(asked: str, backend_ns: int | None, own_ns: int | None) -> tuple[str, str]:
@@ -124,10 +121,8 @@ class Attribution:
         for w in self.sm.workloads():
             if w.gpu != gpu:
                 continue
-            suspect, budget = w.state in SUSPECT, w.parked_max
+            suspect, budget = census.held_to(w)  # every state's row (`census.ELIMINATION`)
             ident = (w.pid, int(w.start_time))
-            if self.blind and w.state is WState.PARKED and w.parked_procs:
-                budget = 0  # checkpointed: its memory is on the host, none on the device
             if suspect and self.blind and not self.holds_gpu(ident, w.tree, gpu):
                 suspect, budget = False, 0
             out.append(census.Root(w.wid, w.pid, int(w.start_time), w.tree, budget, suspect))

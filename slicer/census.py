@@ -9,26 +9,62 @@ the state machine (`slicer.policy`).
 Elimination (`eliminate`, config `census`): where the backend's pids are not in slicerd's
 PID namespace (slicerd in a pod; NVML reports host pids) nothing can be attributed by pid.
 Then the GPU's total is compared with what the workloads may hold: each workload the state
-machine holds to its budget (PARKED, REGISTERED) may hold its `parked_max`; the rest
-(`suspect`: ACTIVE, IDLE, FAULTED, PARKING, RESTORING) may hold anything. The excess over
-the budgets is charged in full to *every* suspect (each one could hold all of it), so a
-park is verified only if the GPU as a whole is within budget; with no suspect the excess
-is `unattributed` and blocks grants. What this can and cannot see is in README.md ("PID
-namespaces"): it never under-counts the GPU as a whole (a suspect's bytes are a lower
-bound on what it holds), it cannot say which process holds the excess, and a workload may
-exceed its own budget by what the others leave unused (a checkpointed one leaves nothing:
-its budget is 0, `slicer.attribution`).
+machine holds to a budget may hold that much; the rest (`suspect`) may hold anything. The
+excess over the budgets is charged in full to *every* suspect (each one could hold all of
+it), so a park is verified only if the GPU as a whole is within budget; with no suspect
+the excess is `unattributed` and blocks grants. Which it is, per state, is the table
+`ELIMINATION` (`held_to` reads it), which names every state a workload can be in, so that
+a new state cannot slip through as nobody's memory (a frozen workload once did: its memory
+read as unattributed and wedged the GPU). What this can and cannot see is in README.md
+("PID namespaces"): it never under-counts the GPU as a whole (a suspect's bytes are a
+lower bound on what it holds), it cannot say which process holds the excess, and a
+workload may exceed its own budget by what the others leave unused (a checkpointed one
+leaves nothing: its budget is 0).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from gpu_slicer.slicer import procs
+from gpu_slicer.slicer.model import Workload, WState
 from gpu_slicer.slicer.readings import Census
 
-__all__ = ["Census", "Root", "eliminate", "take"]
+__all__ = ["ELIMINATION", "Census", "Held", "Root", "eliminate", "held_to", "take"]
+
+
+class Held(enum.Enum):
+    """How a census by elimination holds a workload: to a budget, or not at all."""
+
+    ANY = "any"  # a suspect: it may hold anything now, and is charged the excess
+    BUDGET = "budget"  # at most its budget (`held_to`), however the bytes are spread
+
+
+ELIMINATION: dict[WState, Held] = {
+    WState.REGISTERED: Held.BUDGET,  # never granted (what it held at REGISTER made it IDLE)
+    WState.ACTIVE: Held.ANY,  # its turn: it allocates what it wants
+    WState.IDLE: Held.ANY,  # released lazily (or dirty, or an early start abandoned)
+    WState.PARKING: Held.ANY,  # a park, freeze or residue checkpoint in flight
+    WState.PARKED: Held.BUDGET,  # parked_max; 0 when checkpointed (nothing on the device)
+    WState.RESTORING: Held.ANY,  # a restore or thaw in flight
+    WState.FAULTED: Held.ANY,  # a failed move: whatever it holds stays
+    WState.FROZEN: Held.BUDGET,  # locked, runs nothing: exactly what it held when frozen
+}
+
+
+def held_to(w: Workload) -> tuple[bool, int]:
+    """(suspect, budget) of `w` for a census by elimination (`ELIMINATION`): a frozen
+    workload's memory is its own, the bytes the freeze measured, as it can neither grow
+    nor shrink while locked; a checkpointed one holds nothing on the device."""
+    if ELIMINATION[w.state] is Held.ANY:
+        return True, w.parked_max
+    if w.state is WState.FROZEN:
+        return False, w.frozen_bytes
+    if w.state is WState.PARKED and w.parked_procs:
+        return False, 0
+    return False, w.parked_max
 
 
 @dataclass(frozen=True, slots=True)

@@ -210,6 +210,21 @@ class GpuOps:
             self.reuse.forget(gpu)  # whoever reads foreign memory: no grant check reuses
         return taken
 
+    def _not_its(self, name: str, gpu: int, after: int | Unreadable) -> int | Unreadable:
+        # By elimination the GPU's excess may be another's (a newcomer that came with
+        # memory, a resident one beside a frozen one): the driver checkpointed every
+        # process of this one that had the GPU open, and says so; what is left over
+        # blocks grants as unattributed memory (or is charged to the suspects).
+        if self.attr.blind and isinstance(after, int) and after:
+            log.warning(
+                "%s: checkpointed; %d bytes beyond the budgets stay on GPU %d (not its)",
+                name,
+                after,
+                gpu,
+            )
+            return 0
+        return after
+
     def _bytes_of(self, gpu: int, wid: int, reason: str) -> int | Unreadable:
         """Workload `wid`'s device bytes on `gpu` now, or why they could not be read."""
         try:
@@ -281,17 +296,8 @@ class GpuOps:
         # A freeze that held keeps the memory where it was: nothing to read after it (a
         # failed one is judged like a park, by what the backend sees).
         after: int | Unreadable = 0 if froze else self._bytes_of(e.gpu, e.wid, "park-error")
-        if self.attr.blind and tool is not None and tool.ok and isinstance(after, int) and after:
-            # By elimination the GPU's excess may be another's (a newcomer that came with
-            # memory): the driver checkpointed every process of this one that had the GPU
-            # open, and says so; what is left over blocks grants as unattributed memory.
-            log.warning(
-                "%s: checkpointed; %d bytes beyond the budgets stay on GPU %d (not its)",
-                e.workload,
-                after,
-                e.gpu,
-            )
-            after = 0
+        if tool is not None and tool.ok:
+            after = self._not_its(e.workload, e.gpu, after)
         self.reuse.forget(e.gpu)  # its end changes who is on the GPU
         report = ParkReport(self._ms_since(t0), before, parked, tool, alive, after, error)
         if e.mode == "freeze":
@@ -375,6 +381,13 @@ class GpuOps:
             plan = self.sm.recovery_plan(e.op, reading)
             steps = await recovery.perform(self.parker, plan.steps, bound)
             after = self._bytes_of(e.gpu, e.wid, "recover-error")
+            done = plan.result
+            if steps.ok and done.result == "parked" and done.procs:
+                # Its journaled processes are checkpointed, as a park's would be; a
+                # process of it that holds the GPU and is not among them proves nothing.
+                holders = self.attr.gpu_pids(e.gpu, e.wid, Census())
+                if set(holders) <= {p for p, _ in done.procs}:
+                    after = self._not_its(e.workload, e.gpu, after)
             report = RecoverReport(reading, steps, after)
             log.info(
                 "recovering %s (%s): %s, steps %s",

@@ -109,8 +109,11 @@ class Workload:
     # The (pid, start time) of each process checkpointed by the last park: what a restore
     # must bring back. Empty for a cooperative park (the workload freed the GPU itself).
     parked_procs: tuple[Ident, ...] = ()
-    # The processes a freeze locked (fit-aware turns): what a thaw unlocks.
+    # The processes a freeze locked (fit-aware turns): what a thaw unlocks; and the device
+    # bytes they held then (locked, they neither grow nor shrink: a census by elimination
+    # holds a frozen workload to them, `slicer.census.held_to`).
     frozen_procs: tuple[Ident, ...] = ()
+    frozen_bytes: int = 0
     freezes: int = 0
     # What cooperative workloads may fall back to when they cannot park themselves.
     fallback: str = "none"

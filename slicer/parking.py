@@ -146,6 +146,7 @@ class ParkResults:
         w.to(WState.FROZEN)
         gpu.op = None
         w.frozen_procs, w.op_procs, w.op_bytes = report.procs, (), 0
+        w.frozen_bytes = report.before
         w.freezes += 1
         self.totals["freezes"] += 1
         fx: list[Effect] = [

@@ -387,12 +387,24 @@ class Stack:
         self.clients.append(c)
         return c
 
-    def sleeper(self, nbytes: int = 0, gpu: int = 0, label: str | None = None) -> int:
-        """A child process standing for a workload; optionally holding `nbytes` on `gpu`."""
+    def sleeper(
+        self, nbytes: int = 0, gpu: int = 0, label: str | None = None, *, node: bool = False
+    ) -> int:
+        """A child process standing for a workload; optionally holding `nbytes` on `gpu`.
+        With `node`, it holds `gpu`'s device node open from its first instruction on, as a
+        process with a CUDA context does (what a census by elimination looks for)."""
         argv = [sys.executable, "-c", "import time; time.sleep(600)"]
-        p = subprocess.Popen(
-            argv, env=self.env, preexec_fn=die_with_parent if self.pdeathsig else None
-        )
+        fd = os.open(self.ledger.device_node(gpu), os.O_RDONLY) if node else None
+        try:
+            p = subprocess.Popen(
+                argv,
+                env=self.env,
+                preexec_fn=die_with_parent if self.pdeathsig else None,
+                pass_fds=() if fd is None else (fd,),
+            )
+        finally:
+            if fd is not None:
+                os.close(fd)
         self.children.append(p)
         if nbytes:
             self.ledger.alloc(p.pid, gpu, nbytes, tag="weights", workload=label or f"w{p.pid}")

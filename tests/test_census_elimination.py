@@ -12,8 +12,8 @@ import pytest
 
 from gpu_slicer.slicer import policy, reuse
 from gpu_slicer.slicer.attribution import census_mode
-from gpu_slicer.slicer.census import Root, eliminate
-from gpu_slicer.slicer.model import Workload
+from gpu_slicer.slicer.census import ELIMINATION, Root, eliminate, held_to, take
+from gpu_slicer.slicer.model import Workload, WState
 from gpu_slicer.slicer.readings import Census
 
 GiB = 1024**3
@@ -126,3 +126,76 @@ def test_slicerctl_status_shows_the_pod_number_only_when_a_registrant_is_in_a_po
     assert "POD_PID" in lines[0].split()
     col = lines[0].split().index("POD_PID")
     assert lines[2].split()[col] == "3" and lines[2].split()[4] == "41900"
+
+
+# ---- every state a workload can be in, accounted for by every census ---------------------
+
+
+def test_the_elimination_table_names_every_state() -> None:
+    # A state without a row would be nobody's memory by elimination: a frozen workload
+    # once was (fit-aware turns under census = elimination wedged the GPU).
+    assert set(ELIMINATION) == set(WState)
+
+
+def _in(state: WState, *, parked_max: int = 0, checkpointed: bool = False) -> Workload:
+    w = _w(1, parked_max)
+    w.state = state
+    if checkpointed:
+        w.parked_procs = ((101, 1000),)
+    if state is WState.FROZEN:
+        w.frozen_procs, w.frozen_bytes = ((101, 1000),), 10 * GiB
+    return w
+
+
+# (the workload, what it may hold on the device in that state, (suspect, budget))
+HOLDS: list[tuple[Workload, int, tuple[bool, int]]] = [
+    (_in(WState.REGISTERED, parked_max=GiB), GiB, (False, GiB)),
+    (_in(WState.ACTIVE), 10 * GiB, (True, 0)),
+    (_in(WState.IDLE), 10 * GiB, (True, 0)),
+    (_in(WState.PARKING), 10 * GiB, (True, 0)),
+    (_in(WState.PARKED, parked_max=GiB), GiB, (False, GiB)),  # slept (cooperative)
+    (_in(WState.PARKED, parked_max=GiB, checkpointed=True), 0, (False, 0)),  # or residue
+    (_in(WState.RESTORING), 10 * GiB, (True, 0)),
+    (_in(WState.FAULTED), 10 * GiB, (True, 0)),
+    (_in(WState.FROZEN), 10 * GiB, (False, 10 * GiB)),  # its own, as the freeze measured
+]
+
+
+@pytest.mark.parametrize(("w", "holds", "row"), HOLDS, ids=lambda v: getattr(v, "state", None))
+@pytest.mark.parametrize("blind", [False, True], ids=["pids", "elimination"])
+def test_what_each_state_may_hold_is_its_own_under_every_census(
+    w: Workload, holds: int, row: tuple[bool, int], blind: bool
+) -> None:
+    assert held_to(w) == row
+    suspect, budget = row
+    root = Root(w.wid, w.pid, int(w.start_time), w.tree, budget, suspect)
+    seen = {w.pid: holds} if holds else {}
+    if blind:
+        taken = eliminate(seen, [root])
+    else:
+        taken = take(seen, [root], lambda pid: iter([(pid, int(w.start_time))]))
+    assert taken.unattributed == 0 and taken.foreign == {}
+    # Its own grant is not blocked by what it holds; another's is only by a workload that
+    # must be parked first (resident, above its parked_max), named, never as nobody's.
+    assert policy.blockers(taken, w.wid, [w], need=0, free=None, foreign_blocks=True) == []
+    block = policy.blockers(taken, 2, [w], need=0, free=None, foreign_blocks=True)
+    parked_first = suspect and holds > w.parked_max
+    assert block == ([{"workload": w.name, "pid": w.pid, "bytes": holds}] if parked_first else [])
+
+
+@pytest.mark.parametrize(
+    ("w", "extra"),
+    [
+        (_in(WState.FROZEN), GiB),
+        (_in(WState.PARKED, checkpointed=True), GiB),
+        (_in(WState.REGISTERED), GiB),
+    ],
+    ids=["frozen-grew", "checkpointed", "registered"],
+)
+def test_by_elimination_memory_beyond_a_budget_blocks(w: Workload, extra: int) -> None:
+    _suspect, budget = held_to(w)
+    root = Root(w.wid, w.pid, int(w.start_time), w.tree, budget, False)
+    taken = eliminate({w.pid: budget + extra}, [root])
+    assert taken.unattributed == extra
+    block = policy.blockers(taken, 2, [w], need=0, free=None, foreign_blocks=False)
+    assert block and block[0]["reason"] == "unattributed"

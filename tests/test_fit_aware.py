@@ -19,6 +19,34 @@ from tests.harness import GiB, cc_log, running_stack, state_of, workload
 
 pytestmark = pytest.mark.integration
 
+Census = tuple[str, ...]  # slicerd's --census flags
+
+
+@pytest.fixture(params=["pids", "elimination"])
+def census(request: pytest.FixtureRequest) -> Census:
+    """Every test under both censuses: by the backend's pids, and by elimination (what
+    `census = auto` picks in pod mode, where slicerd cannot read the backend's pids)."""
+    return ("--census", str(request.param))
+
+
+def sleeper(stack: Any, nbytes: int = 0, label: str | None = None) -> int:
+    """A workload's process holding GPU 0's device node open (a CUDA context's), so that
+    a census by elimination sees it may hold memory there. Those that hold nothing yet
+    are registered before any other holds memory: by elimination a newcomer with the GPU
+    open beside a resident workload is a suspect too (README, "PID namespaces")."""
+    pid: int = stack.sleeper(nbytes, label=label, node=True)
+    return pid
+
+
+async def registered(stack: Any, *named: tuple[str, int]) -> list[AsyncSlicer]:
+    """A registrant for each (name, bytes held) in order, each a sleeper of its own."""
+    out = []
+    for name, nbytes in named:
+        r = await stack.client()
+        await r.register(name, pid=sleeper(stack, nbytes, label=name if nbytes else None))
+        out.append(r)
+    return out
+
 
 def ops_of(stack: Any, pid: int, since: int = 0) -> list[str]:
     """The checkpoint steps run on `pid` (CLI or library), from log entry `since` on."""
@@ -35,10 +63,8 @@ async def turn(client: AsyncSlicer, name: str) -> Any:
 async def a_then_b(stack: Any) -> tuple[int, int, AsyncSlicer, AsyncSlicer]:
     """a (30 GiB) takes a turn, then b (which never ran, so a is parked by checkpoint)
     takes one and allocates 20 GiB: both have run. Their pids and registrants."""
-    pa, pb = stack.sleeper(30 * GiB, label="a"), stack.sleeper()
-    ra, rb = await stack.client(), await stack.client()
-    await ra.register("a", pid=pa)
-    await rb.register("b", pid=pb)
+    rb, ra = await registered(stack, ("b", 0), ("a", 30 * GiB))
+    pa, pb = stack.children[-1].pid, stack.children[-2].pid
     await turn(ra, "a")
     tb = await rb.acquire("b")
     stack.ledger.alloc(pb, 0, 20 * GiB, workload="b")
@@ -46,13 +72,11 @@ async def a_then_b(stack: Any) -> tuple[int, int, AsyncSlicer, AsyncSlicer]:
     return pa, pb, ra, rb
 
 
-async def test_two_that_fit_alternate_by_freeze_and_thaw_and_move_nothing() -> None:
+async def test_two_that_fit_alternate_by_freeze_and_thaw_and_move_nothing(census: Census) -> None:
     with trio.fail_after(60):
-        async with running_stack("--fit-aware", "--fit-headroom", "1GiB") as stack:
-            pa, pb = stack.sleeper(30 * GiB, label="a"), stack.sleeper()
-            ra, rb = await stack.client(), await stack.client()
-            await ra.register("a", pid=pa)
-            await rb.register("b", pid=pb)
+        async with running_stack("--fit-aware", "--fit-headroom", "1GiB", *census) as stack:
+            rb, ra = await registered(stack, ("b", 0), ("a", 30 * GiB))
+            pa, pb = stack.children[-1].pid, stack.children[-2].pid
             await turn(ra, "a")
             tb = await rb.acquire("b")  # b never ran: its need is unknown, a is parked
             assert stack.ledger.state(pa) == "checkpointed"
@@ -61,6 +85,7 @@ async def test_two_that_fit_alternate_by_freeze_and_thaw_and_move_nothing() -> N
             ta = await ra.acquire("a")  # a needs its 30 GiB back: b is frozen beside it
             assert ta.restored and stack.ledger.state(pb) == "locked"
             st = await stack.status()
+            assert st["census"] == census[1]
             assert workload(st, "b")["state"] == "frozen"  # type: ignore[index]
             assert workload(st, "b")["frozen_pids"] == [pb]  # type: ignore[index]
             await ra.release(ta)
@@ -82,13 +107,11 @@ async def test_two_that_fit_alternate_by_freeze_and_thaw_and_move_nothing() -> N
             assert stack.overlaps() == 0
 
 
-async def test_no_room_parks_and_an_unknown_newcomer_parks_the_frozen_one() -> None:
+async def test_no_room_parks_and_an_unknown_newcomer_parks_the_frozen_one(census: Census) -> None:
     with trio.fail_after(60):
-        async with running_stack("--fit-aware", "--fit-headroom", "1GiB") as stack:
-            pa, pb, pc = stack.sleeper(50 * GiB, label="a"), stack.sleeper(), stack.sleeper()
-            ra, rb, rc = await stack.client(), await stack.client(), await stack.client()
-            for r, n, p in ((ra, "a", pa), (rb, "b", pb), (rc, "c", pc)):
-                await r.register(n, pid=p)
+        async with running_stack("--fit-aware", "--fit-headroom", "1GiB", *census) as stack:
+            rb, rc, ra = await registered(stack, ("b", 0), ("c", 0), ("a", 50 * GiB))
+            pb, pa = stack.children[-3].pid, stack.children[-1].pid
             await turn(ra, "a")
             tb = await rb.acquire("b")
             stack.ledger.alloc(pb, 0, 40 * GiB, workload="b")  # 50 + 40 > 80: no fit
@@ -117,9 +140,9 @@ async def test_no_room_parks_and_an_unknown_newcomer_parks_the_frozen_one() -> N
             assert stack.overlaps() == 0
 
 
-async def test_a_restart_finishes_a_freeze_as_a_park() -> None:
+async def test_a_restart_finishes_a_freeze_as_a_park(census: Census) -> None:
     with trio.fail_after(90):
-        async with running_stack("--fit-aware", "--fit-headroom", "1GiB") as stack:
+        async with running_stack("--fit-aware", "--fit-headroom", "1GiB", *census) as stack:
             _pa, pb, ra, rb = await a_then_b(stack)
             await turn(ra, "a")  # b frozen
             assert stack.ledger.state(pb) == "locked"
@@ -140,7 +163,7 @@ async def test_a_restart_finishes_a_freeze_as_a_park() -> None:
 
 @pytest.mark.parametrize("always", [True, False])
 async def test_the_rl_loop_moves_no_bytes_once_warm_and_a_slept_replica_is_never_frozen(
-    always: bool,
+    always: bool, census: Census
 ) -> None:
     """The whole loop: vLLM (40% of the GPU) under the launcher, a 30 GiB trainer. With the
     dispatcher leaving vLLM awake at every turn's end (--lazy-sleep-always) slicerd freezes
@@ -151,7 +174,7 @@ async def test_the_rl_loop_moves_no_bytes_once_warm_and_a_slept_replica_is_never
     from tests.test_dispatcher import dispatcher, publish, replica_argv, result_of, trainer
 
     with trio.fail_after(120):
-        async with running_stack("--fit-aware", "--fit-headroom", "1GiB") as stack:
+        async with running_stack("--fit-aware", "--fit-headroom", "1GiB", *census) as stack:
             port = free_port()
             argv = [*replica_argv(stack, port, "cooperative"), "--gpu-memory-utilization", "0.4"]
             async with spawn(stack, "launcher", argv) as lw:
@@ -190,9 +213,11 @@ async def test_the_rl_loop_moves_no_bytes_once_warm_and_a_slept_replica_is_never
             assert stack.overlaps() == 0
 
 
-async def test_a_frozen_workload_whose_registration_ends_is_parked_not_left_locked() -> None:
+async def test_a_frozen_workload_whose_registration_ends_is_parked_not_left_locked(
+    census: Census,
+) -> None:
     with trio.fail_after(60):
-        async with running_stack("--fit-aware", "--fit-headroom", "1GiB") as stack:
+        async with running_stack("--fit-aware", "--fit-headroom", "1GiB", *census) as stack:
             _pa, pb, ra, rb = await a_then_b(stack)
             await turn(ra, "a")  # b frozen beside a
             assert stack.ledger.state(pb) == "locked"
@@ -204,10 +229,12 @@ async def test_a_frozen_workload_whose_registration_ends_is_parked_not_left_lock
             assert stack.overlaps() == 0
 
 
-async def test_a_thaw_cut_by_a_daemon_kill_is_finished_as_an_unlock() -> None:
+async def test_a_thaw_cut_by_a_daemon_kill_is_finished_as_an_unlock(census: Census) -> None:
     with trio.fail_after(90):
         env = {"FAKEGPU_HANG_MAX": "2"}  # the hung unlock gives up by itself, still locked
-        async with running_stack("--fit-aware", "--fit-headroom", "1GiB", env=env) as stack:
+        async with running_stack(
+            "--fit-aware", "--fit-headroom", "1GiB", *census, env=env
+        ) as stack:
             pa, pb, ra, rb = await a_then_b(stack)
             await turn(ra, "a")  # b frozen
             stack.ledger.inject(pb, "unlock", hang=True)
@@ -242,9 +269,9 @@ async def test_a_thaw_cut_by_a_daemon_kill_is_finished_as_an_unlock() -> None:
             assert stack.overlaps() == 0
 
 
-async def test_a_restart_during_a_thaw_settles_it_by_what_the_driver_says() -> None:
+async def test_a_restart_during_a_thaw_settles_it_by_what_the_driver_says(census: Census) -> None:
     with trio.fail_after(90):
-        async with running_stack("--fit-aware", "--fit-headroom", "1GiB") as stack:
+        async with running_stack("--fit-aware", "--fit-headroom", "1GiB", *census) as stack:
             pa, pb, ra, rb = await a_then_b(stack)
             await turn(ra, "a")  # b frozen beside a
             assert stack.ledger.state(pb) == "locked"
