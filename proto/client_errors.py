@@ -11,15 +11,32 @@ from __future__ import annotations
 
 from gpu_slicer.proto.messages import Err, Fault, Reply
 
-__all__ = ["ClientError", "Faulted", "Unreachable"]
+__all__ = ["HINTS", "ClientError", "Faulted", "Unreachable"]
+
+# What to do, for the codes a library user meets first (the CLIs say the same): in the
+# exception's words (`str`), never in `text` (the server's own words, which callers log
+# or match).
+HINTS: dict[str, str] = {
+    "unreachable": "is slicerd running? The socket is the path given, else $SLICER_SOCKET "
+    "(slicer-launch sets it for its command), else /run/slicer/slicer.sock",
+    "exists": "registered by another connection: under slicer-launch the launcher already "
+    "registered it, so connect with Slicer.from_env() and acquire, do not register",
+    "unknown-workload": "no workload of that name is registered: register it first, or run "
+    "under slicer-launch and use $SLICER_WORKLOAD; 'slicerctl status' lists them",
+    "not-registrant": "only the connection that registered the workload may do this (under "
+    "slicer-launch that is the launcher)",
+}
 
 
 class ClientError(Exception):
-    """The daemon refused a request (``ERR``); `code` is the wire code, `text` its words."""
+    """The daemon refused a request (``ERR``); `code` is the wire code, `text` its words,
+    `hint` what to do about it (`HINTS`; "" when none), which its `str` ends with."""
 
     def __init__(self, code: str, text: str) -> None:
-        super().__init__(f"{code}: {text}" if text else code)
         self.code, self.text = code, text
+        self.hint = HINTS.get(code, "")
+        said = f"{code}: {text}" if text else code
+        super().__init__(f"{said} ({self.hint})" if self.hint else said)
 
 
 class Unreachable(ClientError):

@@ -52,9 +52,11 @@ import sniffio
 from gpu_slicer import proto
 from gpu_slicer.proto import ClientError, Faulted, Turn, Unreachable
 from gpu_slicer.slicer.client_common import (
+    HOLD_WARN,
     RECV_SIZE,
     RELEASE_TIMEOUT,
     REPLY_TIMEOUT,
+    HoldWatch,
     SessionView,
     release_stuck,
     socket_path,
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
     from gpu_slicer.slicer.client_asyncio import AsyncioSlicer
 
 __all__ = [
+    "HOLD_WARN",
     "RELEASE_TIMEOUT",
     "REPLY_TIMEOUT",
     "AsyncSlicer",
@@ -266,10 +269,12 @@ class Slicer(SessionView):
                     self._end_turn(granted, park, loud=False)
             raise
         finished = False
+        watch = HoldWatch(self.path, t, self.hold_warn)
         try:
             yield t
             finished = True
         finally:
+            watch.stop()
             self._end_turn(t, park, loud=finished)
 
     def _end_turn(self, t: Turn, park: str, loud: bool) -> None:

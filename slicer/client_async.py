@@ -20,7 +20,7 @@ from typing import Any, Self, TypeVar
 
 from gpu_slicer import proto
 from gpu_slicer.proto import ClientError, Faulted, Turn, Unreachable
-from gpu_slicer.slicer.client_common import REPLY_TIMEOUT, SessionView, socket_path
+from gpu_slicer.slicer.client_common import REPLY_TIMEOUT, HoldWatch, SessionView, socket_path
 
 __all__ = ["AsyncCalls"]
 
@@ -39,9 +39,11 @@ class AsyncCalls(SessionView):
         """Connect to the daemon's socket; `workload` defaults to $SLICER_WORKLOAD."""
         where = socket_path(path)
         try:
-            return await cls._open(where, workload or os.environ.get("SLICER_WORKLOAD"), timeout)
+            c = await cls._open(where, workload or os.environ.get("SLICER_WORKLOAD"), timeout)
         except OSError as e:  # TimeoutError included
             raise Unreachable(f"cannot connect to {where}: {str(e) or 'timed out'}") from e
+        c.path = where
+        return c
 
     @classmethod
     async def from_env(cls) -> Self:
@@ -232,8 +234,10 @@ class AsyncCalls(SessionView):
                     await self._end_turn(granted, park, loud=False)
             raise
         finished = False
+        watch = HoldWatch(self.path, t, self.hold_warn)
         try:
             yield t
             finished = True
         finally:
+            watch.stop()
             await self._end_turn(t, park, loud=finished)

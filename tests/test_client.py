@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import signal
 import socket
 import tempfile
@@ -84,8 +85,26 @@ def test_err_reply_raises_client_error_with_code(scripted: tuple[str, list[bytes
 
 
 def test_unreachable_socket() -> None:
-    with pytest.raises(Unreachable):
+    with pytest.raises(Unreachable) as e:
         Slicer("/nonexistent/slicer.sock")
+    # The error says what to check, as the CLIs do; `text` stays the server's own words.
+    assert "/nonexistent/slicer.sock" in str(e.value) and "$SLICER_SOCKET" in str(e.value)
+    assert e.value.hint and "SLICER_SOCKET" not in e.value.text
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [
+        ("exists", "the launcher already registered it"),
+        ("unknown-workload", "$SLICER_WORKLOAD"),
+        ("not-registrant", "the launcher"),
+    ],
+)
+def test_a_refusal_a_library_user_meets_first_carries_the_clis_hint(code: str, says: str) -> None:
+    e = ClientError(code, "the server's words")
+    assert e.code == code and e.text == "the server's words" and says in e.hint
+    assert str(e) == f"{code}: the server's words ({e.hint})"
+    assert str(ClientError("busy", "x")) == "busy: x" and ClientError("busy", "x").hint == ""
 
 
 def test_the_two_clients_have_the_same_calls() -> None:
@@ -551,3 +570,62 @@ async def test_sync_a_turn_whose_daemon_dies_mid_body_raises_the_body_s_error() 
 
             await trio.to_thread.run_sync(main, abandon_on_cancel=True)
             assert stack.overlaps() == 0
+
+
+class _Warned(logging.Handler):
+    """Collects the client's warnings and signals the first one across threads."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+        self.first = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+        self.first.set()
+
+
+@pytest.mark.integration
+async def test_a_turn_held_while_another_waits_logs_one_warning_naming_the_waiter() -> None:
+    """A trainer that samples through the dispatcher inside its own turn waits for itself;
+    its client says so: the blocking client's body is blocked (it reads nothing), and the
+    warning still comes, once, naming the turn and the workload that waits."""
+    warned = _Warned()
+    logger = logging.getLogger("slicer.client")
+    logger.addHandler(warned)
+    try:
+        with trio.fail_after(60):
+            async with running_stack() as stack, await stack.client() as sampler:
+                await sampler.register("sampler", pid=stack.sleeper(), park="cooperative")
+                pid = stack.sleeper()
+                entered = threading.Event()
+
+                def trainer() -> int:
+                    with Slicer(stack.socket, "trainer", timeout=10) as s:
+                        s.register(pid=pid, park="cooperative")
+                        s.hold_warn = 0.2
+                        with s.turn(wait=20.0) as t:
+                            entered.set()
+                            # Blocked, as on a sampling call that needs this very GPU.
+                            assert warned.first.wait(30), "no warning while the sampler waited"
+                        return t.turn
+
+                async with trio.open_nursery() as n:
+                    result: list[int] = []
+
+                    async def run_trainer() -> None:
+                        result.append(await trio.to_thread.run_sync(trainer))
+
+                    n.start_soon(run_trainer)
+                    await stack.until(lambda st: (_holder(st) or {}).get("workload") == "trainer")
+                    assert not warned.lines  # nobody waits yet: checks found no waiter
+                    granted = await sampler.acquire(wait=30.0)  # after the trainer's release
+                    await sampler.release(granted)
+                turn = result[0]
+                assert len(warned.lines) == 1, warned.lines
+                line = warned.lines[0]
+                assert f"holding turn {turn} of trainer" in line and "sampler" in line
+                assert "release the turn first" in line
+                assert stack.overlaps() == 0
+    finally:
+        logger.removeHandler(warned)
