@@ -251,6 +251,11 @@ def _bind(listen: str | None, listen_unix: str | None) -> str:
 @click.option("--sample-deadline", type=startup.SECONDS, default=3600.0, show_default=True,
               help="seconds a request may stay pending before it fails (> 0)")  # fmt: skip
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--base-revision", default="base", show_default=True,
+              callback=startup.check_base_revision,
+              help="the revision that names the weights the replica booted with (published "
+              "at start while none is, so step 0 samples before the first publish; '' for "
+              "none)")  # fmt: skip
 @click.option("--max-idle-connections", type=click.IntRange(0, 4096),
               default=MAX_IDLE_CONNECTIONS, show_default=True,
               help="idle keep-alive connections kept to the replica after a burst")  # fmt: skip
@@ -308,6 +313,7 @@ def main(
     sample_deadline: float,
     concurrency: int,
     max_idle_connections: int,
+    base_revision: str | None,
     weight_check: str,
     max_send_errors: int,
     max_load_failures: int,
@@ -350,6 +356,7 @@ def main(
             sample_deadline=sample_deadline,
             concurrency=concurrency,
             max_idle_connections=max_idle_connections,
+            base_revision=base_revision,
             weight_check=weight_check,
             max_send_errors=max_send_errors,
             max_load_failures=max_load_failures,

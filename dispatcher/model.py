@@ -138,6 +138,9 @@ class TurnConfig:
     sample_deadline: float = 3600.0
     concurrency: int = 64
     max_idle_connections: int = 32  # slicer-dispatch --max-idle-connections (dispatcher.vllm)
+    # The revision that names the weights the replica booted with (slicer-dispatch
+    # --base-revision, "base" there; None here: an embedded loop publishes nothing itself).
+    base_revision: str | None = None
     acquire_wait: float = 60.0
     wake_timeout: float = 300.0
     load_timeout: float = 1800.0
@@ -271,3 +274,4 @@ class TurnState:
     # the replica woken for the turn: a wasted turn (Counters.wasted_turns).
     worked: bool = False
     wake_skipped: bool = False  # found still awake after a lazy release: nobody paid a park
+    load_failures_at_ask: int = 0  # Counters.load_failures when the turn was asked for

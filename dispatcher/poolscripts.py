@@ -384,12 +384,16 @@ end
 return {now, due}
 """
 
-#: ARGV: prefix, name, path, published_at. Returns {1, json} when newly published, or
-#: {0, json} of the revision already published under that name.
+#: ARGV: prefix, name, path, published_at[, first]. Returns {1, json} when newly
+#: published, or {0, json} of the revision already published under that name; with
+#: first = '1', {2, ''} (nothing written) when any other revision is published: the
+#: check and the write in one step, so a base never becomes the newest over one
+#: published meanwhile.
 PUBLISH = """
-local p, name, path, at = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local p, name, path, at, first = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local old = redis.call('HGET', p .. 'revs', name)
 if old then return {0, old} end
+if first == '1' and redis.call('HLEN', p .. 'revs') > 0 then return {2, ''} end
 local seq = redis.call('INCR', p .. 'revseq')
 local v = cjson.encode({path = path, published_at = tonumber(at), seq = seq})
 redis.call('HSET', p .. 'revs', name, v)

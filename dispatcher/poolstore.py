@@ -222,6 +222,20 @@ class PoolStore(PendingView):
             )
         return rev, bool(created)
 
+    async def publish_first(self, name: str, path: str) -> Revision | None:
+        """Publish revision ``name`` at ``path`` only while the pool has none at all (the
+        check and the write are one step in Redis); None when another came first. The
+        same name with another path is a :class:`BadRequest`."""
+        created, raw = await self.conn.script("PUBLISH", name, path, repr(time.time()), "1")
+        if int(created) == 2:
+            return None
+        rev = self._remember_revision(name, raw)
+        if rev.path != path:
+            raise BadRequest(
+                f"revision {name!r} is already published with path {rev.path!r}, not {path!r}"
+            )
+        return rev
+
     def _remember_revision(self, name: str, raw: bytes) -> Revision:
         try:
             v = json.loads(raw)

@@ -33,7 +33,7 @@ from gpu_slicer import proto
 from gpu_slicer.dispatcher.errors import BadRequest, StateInUse, StoreError
 from gpu_slicer.dispatcher.owner import StateLock
 from gpu_slicer.dispatcher.poolurl import check_url
-from gpu_slicer.dispatcher.store import Store
+from gpu_slicer.dispatcher.store import Store, check_revision_name
 from gpu_slicer.slicer.exits import (
     EX_CANTCREAT,
     EX_DATAERR,
@@ -166,6 +166,16 @@ def check_early_start(_ctx: click.Context, _param: click.Parameter, value: str) 
     if size > proto.EARLY_LIMIT:
         raise click.BadParameter(f"{value!r:.60} is over {proto.format_size(proto.EARLY_LIMIT)}")
     return size
+
+
+def check_base_revision(_ctx: click.Context, _param: click.Parameter, value: str) -> str | None:
+    """``--base-revision``: a revision name (the store's rule), or ``''`` for none."""
+    if value == "":
+        return None
+    try:
+        return check_revision_name(value)
+    except BadRequest as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def check_name(_ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -171,6 +171,12 @@ RELEASE_TIMEOUT_S = 30.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 5.0
 STORE_BACKOFF_MAX_S = 30.0  # after a turn that a store failure ended
 CHANGING_TURNS = 2  # turns in a row that each loaded another revision: "changing" (auto)
+# After a wasted turn (granted, the replica woken, and nothing loaded or served) the next
+# ACQUIRE waits WASTE_BACKOFF_MIN_S, doubling with each wasted turn in a row up to
+# WASTE_BACKOFF_MAX_S: whatever made the turn useless (found or not), it parks the other
+# workload at most a dozen times an hour. A turn that works resets it.
+WASTE_BACKOFF_MIN_S, WASTE_BACKOFF_MAX_S = 1.0, 300.0
+BASE_READ_TIMEOUT_S = 5.0  # asking the replica what it booted with (--base-revision)
 _ASKING = frozenset({Phase.ACQUIRING, Phase.PREPARING})
 
 
@@ -248,6 +254,9 @@ class TurnLoop:
         # Who holds our GPU as slicerd's last STATUS said (workload, turn, first seen at):
         # the "gpu" problem while we ask (the probe reads STATUS).
         self._holder: tuple[str, int | None, float] | None = None
+        self._base_done = cfg.base_revision is None  # published, or found needless
+        self._wasted_in_a_row = 0
+        self._waste_until = 0.0  # trio clock: no ACQUIRE before (after wasted turns)
 
     def _problem_changed(self, problem: Problem | None) -> None:
         self.events.publish("problem", **problem_fields(problem))
@@ -546,6 +555,8 @@ class TurnLoop:
                                 on_workload_lost=self.recovery.workload_lost,
                                 on_status=self._on_status)
                     )  # fmt: skip
+                # Before the front binds: a step-0 request finds its revision at once.
+                await self._publish_base()
                 task_status.started()
                 await self._loop()
         finally:
@@ -579,9 +590,63 @@ class TurnLoop:
                     wait = min(wait, max(0.005, due - time.time()))
             await trio.sleep(wait)
 
+    async def _publish_base(self, timeout: float = BASE_READ_TIMEOUT_S) -> None:
+        """Publish ``cfg.base_revision`` as the weights the replica booted with: the model
+        directory vLLM names (``GET /v1/models`` ``root``), loaded whole like any revision,
+        so that an RL loop's step 0 samples before its first publish. Only while nothing
+        at all is published (it must never become the newest over the trainer's weights);
+        once. A replica, store or pool that cannot be asked now is asked again at a later
+        round; a root that is no checkpoint directory here (a hub name) publishes none,
+        said once."""
+        name = self.cfg.base_revision
+        if self._base_done or name is None:
+            return
+        try:
+            if self.pool is not None:
+                await self.pool.store.refresh_revisions()
+            if self.store.newest() is not None:  # past step 0 (a restart; the trainer's)
+                self._base_done = True
+                return
+            root = await self.replica.model_root(timeout)
+            if self.cfg.check_revision_paths:
+                check_checkpoint_dir(root)
+            else:
+                check_path_text(root)
+        except BadRequest as e:
+            log.warning("base revision %s not published: vLLM was started with %r, which is "
+                        "no checkpoint directory here (%s); publish a revision before the "
+                        "first sampling request", name, root, e)  # fmt: skip
+            self._base_done = True
+            return
+        except (DispatchError, OSError) as e:
+            log.info("base revision %s: not published yet (%s); tried again", name, e)
+            return
+        try:
+            if self.pool is not None:
+                # Another front may publish between the read above and this write: the
+                # write is conditional, in Redis, on the pool still having none.
+                done = await self.pool.store.publish_first(name, root) is not None
+            elif self.store.newest() is None:  # none published during the read of root
+                self.store.publish(name, root)
+                done = True
+            else:
+                done = False
+        except BadRequest as e:  # published meanwhile (another front) with a path of its own
+            log.info("base revision %s: %s; kept as it is", name, e)
+        except DispatchError as e:
+            log.warning("base revision %s: not published yet (%s); tried again", name, e)
+            return
+        else:
+            log.info("base revision %s: %s", name, f"the weights vLLM booted with ({root})"
+                     if done else "not published (another revision came first)")  # fmt: skip
+        self._base_done = True
+        self.serving.signal()
+
     async def _loop(self) -> None:
         backoff = BACKOFF_MIN_S
         while True:
+            if self.health.state(Check.REPLICA) is True:  # answers: asking it is quick
+                await self._publish_base()
             self._expire()  # a request past its deadline wants no turn (the ticker may lag)
             if not self.store.wants_turn():
                 self._enter(Phase.IDLE)
@@ -596,11 +661,13 @@ class TurnLoop:
                 await self.serving.wait_change(1.0)
                 continue
             wait = self.serving.load_wait(trio.current_time())
+            if wait is None and self._waste_until > trio.current_time():
+                wait = self._waste_until - trio.current_time()  # after wasted turns
             if wait is None and self._replica_unusable():
                 wait = 1.0  # until the probe says it answers (which signals at once)
             if wait is not None:
-                # No turn only to find every revision backed off, or the replica dead:
-                # either would park the other workload for nothing.
+                # No turn only to find every revision backed off, the replica dead, or
+                # nothing to do again: each would park the other workload for nothing.
                 self._enter(Phase.BACKOFF)
                 if self.pool is not None:
                     await self.pool.let_go()  # let other replicas cover the pool meanwhile
@@ -640,6 +707,7 @@ class TurnLoop:
         self._enter(Phase.ACQUIRING)
         t0 = time.monotonic()
         loads = self.counters.loads  # an early start's load (before the grant) is work too
+        load_failures = self.counters.load_failures
         try:
             wait = self.cfg.acquire_wait
             if self.pool is not None:  # ask again soon: others may serve the backlog first
@@ -663,7 +731,9 @@ class TurnLoop:
             raise
         self.health.ok(Check.DAEMON)
         self.health.ok(Check.WORKLOAD)
-        cur = TurnState(turn, worked=self.counters.loads > loads)
+        cur = TurnState(
+            turn, worked=self.counters.loads > loads, load_failures_at_ask=load_failures
+        )
         told = [m for m in slicer.events if isinstance(m, proto.Waiting) and m.turn == turn.turn]
         if told:
             cur.waiting_seen_at = trio.current_time()
@@ -912,13 +982,28 @@ class TurnLoop:
         self._enter_ending(Phase.IDLE)
 
     def _count_waste(self, cur: TurnState, reason: str) -> bool:
-        """Whether ``cur`` was a wasted turn: nothing loaded or served, and the replica had
-        to be woken for it (a park was paid); counts and logs it."""
-        if cur.worked or cur.wake_skipped:
+        """Whether ``cur`` was a wasted turn (nothing loaded or served, and the replica
+        had to be woken for it: a park was paid); counts it and backs the next ACQUIRE
+        off (``WASTE_BACKOFF_*``), or resets the backoff after a turn that worked."""
+        if cur.worked:
+            self._wasted_in_a_row = 0
+            self._waste_until = 0.0
             return False
+        if cur.wake_skipped:
+            return False  # found awake after a lazy release: no park was paid for it
         self.counters.wasted_turns += 1
-        log.warning("turn %d: wasted (ended %s with nothing loaded or served; %d so far)",
-                    cur.turn.turn, reason, self.counters.wasted_turns)  # fmt: skip
+        if self.counters.load_failures > cur.load_failures_at_ask:
+            # A failed load: its revision's own backoff (dispatcher.serve) spaces the next
+            # tries; other revisions' work must not wait behind it.
+            log.warning("turn %d: wasted (a load failed; the revision is backed off)",
+                        cur.turn.turn)  # fmt: skip
+            return True
+        self._wasted_in_a_row += 1
+        delay = min(WASTE_BACKOFF_MAX_S, WASTE_BACKOFF_MIN_S * 2 ** (self._wasted_in_a_row - 1))
+        self._waste_until = trio.current_time() + delay
+        log.warning("turn %d: wasted (ended %s with nothing loaded or served; %d in a row); "
+                    "no turn asked for in the next %.0f s", cur.turn.turn, reason,
+                    self._wasted_in_a_row, delay)  # fmt: skip
         return True
 
     async def _sleep(self, n: int, level: int) -> None:

@@ -350,6 +350,16 @@ class Replica:
         self.epoch += 1
         await self._json("POST", "/resume", timeout)
 
+    async def model_root(self, timeout: float = CONTROL_TIMEOUT_S) -> str:
+        """What vLLM was started with (``vllm serve MODEL``): ``GET /v1/models``' first
+        card's ``root``, a directory or a hub name."""
+        data = await self._json("GET", "/v1/models", timeout)
+        cards = data.get("data")
+        root = cards[0].get("root") if isinstance(cards, list) and cards else None
+        if not isinstance(root, str) or not root:
+            raise ReplicaError(f"GET {self.base_url}/v1/models: no model root in {data}"[:500])
+        return root
+
     async def weight_version(self, timeout: float = CONTROL_TIMEOUT_S) -> str:
         """The served weight label, ``GET /weight_info`` (``"default"`` until set)."""
         return str(await self._field("GET", "/weight_info", "weight_version", str, timeout))

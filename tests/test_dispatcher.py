@@ -25,21 +25,27 @@ from tests.procs import Proc, free_port, spawn
 pytestmark = pytest.mark.integration
 
 
-def replica_argv(stack: Stack, port: int, park: str, *stub: str) -> list[str]:
-    """The launcher running the vLLM stub as workload "v" on `port` (`stub`: its flags)."""
+def replica_argv(stack: Stack, port: int, park: str, *stub: str, model: str = "m") -> list[str]:
+    """The launcher running the vLLM stub as workload "v" on `port` (`stub`: its flags),
+    serving `model` (a name, or a checkpoint directory)."""
     argv = [sys.executable, "-m", "gpu_slicer.launcher.main", "vllm", "--workload", "v"]
     argv += ["--socket", stack.socket, "--park", park, "--ready-file", str(stack.base / "ready")]
-    argv += ["--", sys.executable, "-m", "stubs.vllm_stub", "serve", "m", "--port", str(port)]
+    argv += ["--", sys.executable, "-m", "stubs.vllm_stub", "serve", model, "--port", str(port)]
     return [*argv, "--fake-workload", "v", "--tokens-per-s", "20000", *stub]
 
 
 @asynccontextmanager
 async def replica(
-    stack: Stack, park: str = "cooperative", *stub: str, port: int | None = None
+    stack: Stack,
+    park: str = "cooperative",
+    *stub: str,
+    port: int | None = None,
+    model: str = "m",
 ) -> AsyncIterator[tuple[Proc, str]]:
     """The vLLM stub as workload "v" under the launcher, ready (booted, slept, released)."""
     port = port or free_port()
-    async with spawn(stack, "launcher", replica_argv(stack, port, park, *stub)) as lw:
+    argv = replica_argv(stack, port, park, *stub, model=model)
+    async with spawn(stack, "launcher", argv) as lw:
         await lw.line(lambda s: "]: ready" in s)
         yield lw, f"http://127.0.0.1:{port}"
         lw.proc.send_signal(signal.SIGTERM)  # the launcher stops the replica cleanly

@@ -7,6 +7,7 @@ import array
 import json
 from typing import Any
 
+import click
 import pytest
 
 from gpu_slicer.dispatcher.core import (
@@ -22,6 +23,7 @@ from gpu_slicer.dispatcher.core import (
     weight_versions,
 )
 from gpu_slicer.dispatcher.errors import BadRequest
+from gpu_slicer.dispatcher.startup import check_base_revision
 from gpu_slicer.dispatcher.store import Pending
 
 
@@ -310,3 +312,16 @@ def test_lone_surrogate_deep_nesting_is_iterative() -> None:
     body = json.loads('{"a": ' * depth + r'"\ud800"' + "}" * depth)
     found = lone_surrogate(body)
     assert found is not None and found.startswith(".".join(["a"] * depth))
+
+
+@pytest.mark.parametrize(("text", "value"), [("base", "base"), ("step-0", "step-0"), ("", None)])
+def test_the_base_revision_flag_takes_a_revision_name_or_nothing(
+    text: str, value: str | None
+) -> None:
+    assert check_base_revision(None, None, text) == value  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text", ["has space", "a/b", "x" * 300, "pool@"])
+def test_a_base_revision_that_is_no_revision_name_is_a_usage_error(text: str) -> None:
+    with pytest.raises(click.BadParameter):
+        check_base_revision(None, None, text)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ import trio
 from gpu_slicer.dispatcher.probe import DEV_ROUTES_HINT
 from tests.harness import Stack, running_stack, workload
 from tests.procs import free_port, spawn
-from tests.test_dispatcher import publish, replica, result_of, status, stop, trainer
+from tests.test_dispatcher import publish, replica, result_of, status, stop, trainer, versions
 from tests.test_dispatcher_health import dispatcher, says, until_problem
 
 pytestmark = pytest.mark.integration
@@ -261,5 +261,49 @@ async def test_sampling_inside_the_holders_own_turn_is_named_as_the_problem() ->
                 got = await result_of(http, r.json()["id"])
                 assert got["status"] == "done", got
                 assert (await status(http))["problem"] is None
+                await stop(d)
+            assert stack.overlaps() == 0
+
+
+async def test_step_zero_samples_the_boot_weights_as_revision_base() -> None:
+    """An RL loop's first rollout comes before the first publish: the weights the replica
+    booted with are revision ``base`` (the model directory vLLM names, published at start
+    while none is), loaded whole like any revision, never the newest over a published
+    one; a replica started from a hub name (no directory) publishes none and says so."""
+    with trio.fail_after(120):
+        async with running_stack() as stack:
+            boot = stack.base / "models" / "boot"
+            boot.mkdir(parents=True)
+            (boot / "revision.txt").write_text("boot")
+            async with (
+                replica(stack, model=str(boot)) as (_, url),
+                dispatcher(stack, url) as (d, http),
+            ):
+                body = {"prompt": "step zero", "max_tokens": 6, "seed": 1}
+                r = await http.post("/v1/completions", json=body)  # nothing published
+                assert r.status_code == 200, r.text
+                first = r.json()
+                assert versions(first) == {"base"}, first
+                revs = (await http.get("/v1/revisions")).json()["revisions"]
+                assert [(x["revision"], x["path"]) for x in revs] == [("base", str(boot))]
+                await publish(stack, http, "r1")
+                r1 = (await http.post("/v1/completions", json=body)).json()
+                assert versions(r1) == {"r1"}  # the newest, not the base
+                assert r1["choices"][0]["text"] != first["choices"][0]["text"]
+                body["revision"] = "base"
+                again = await http.post("/v1/completions", json=body)
+                assert again.status_code == 200, again.text
+                # Loaded whole again from the directory vLLM booted from: the same text.
+                assert versions(again.json()) == {"base"}
+                assert again.json()["choices"][0]["text"] == first["choices"][0]["text"]
+                await stop(d)
+            async with (
+                replica(stack) as (_, url),  # vLLM serve m: a name, no directory
+                dispatcher(stack, url, state="named") as (d, http),
+            ):
+                r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                assert r.status_code == 404 and "no revision" in r.text, r.text
+                await d.line(lambda s: "base revision base not published" in s)
+                assert "no checkpoint directory" in d.output()
                 await stop(d)
             assert stack.overlaps() == 0

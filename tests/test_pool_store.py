@@ -317,6 +317,25 @@ async def test_publish_is_idempotent_and_refuses_another_path(redis: RedisServer
             assert a.newest() == rev
 
 
+async def test_a_base_is_published_only_into_a_pool_with_no_revision(redis: RedisServer) -> None:
+    """Each replica's dispatcher publishes its boot weights as ``base`` at start; the
+    check and the write are one Redis step, so a base never lands over a revision the
+    trainer published meanwhile, and two fronts agree on one record."""
+    with trio.fail_after(20):
+        async with PoolConn(redis.url, POOL) as ca, PoolConn(redis.url, POOL) as cb:
+            a, b = PoolStore(ca, "a"), PoolStore(cb, "b")
+            rev = await a.publish_first("base", "/models/boot")
+            assert rev is not None and rev.path == "/models/boot"
+            again = await b.publish_first("base", "/models/boot")
+            assert again == rev  # the same record: the first front's
+            with pytest.raises(BadRequest, match="already published with path"):
+                await b.publish_first("base", "/ckpt/base")
+            await a.publish("r1", "/ckpt/r1")
+            assert await b.publish_first("base2", "/models/boot") is None
+            await b.refresh_revisions()
+            assert [r.name for r in b.revisions()] == ["base", "r1"] and b.newest().name == "r1"  # type: ignore[union-attr]
+
+
 async def test_expire_pool_fails_overdue_requests_claimed_or_not(redis: RedisServer) -> None:
     with trio.fail_after(20):
         async with pool(redis, "a", "b") as [a, b]:

@@ -159,6 +159,33 @@ async def case_weights_reload_and_version(s: Side) -> Obs:
 
 
 @case
+async def case_boot_weights_reload_from_the_models_root(s: Side) -> Obs:
+    # slicer-dispatch --base-revision: the weights vLLM booted with are a revision whose
+    # path is the model directory /v1/models names (`root`); a reload_weights with no
+    # weights_path is no way back to them.
+    boot = text_of(await complete(s.dev))
+    root = (await s.dev.get("/v1/models")).json()["data"][0]["root"]
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(s.models / "rev-1")}}
+    r1 = await s.dev.post("/collective_rpc", json=rpc)
+    other = text_of(await complete(s.dev))
+    r0 = await s.dev.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {}})
+    bare = text_of(await complete(s.dev))
+    back = {"method": "reload_weights", "kwargs": {"weights_path": root}}
+    r2 = await s.dev.post("/collective_rpc", json=back)
+    again = text_of(await complete(s.dev))
+    return {
+        "root_is_the_model_dir": root == str(s.models / "base"),
+        "reload": r1.status_code,
+        "changed": other != boot,
+        "bare_reload": r0.status_code,
+        "bare_is_boot": bare == boot,
+        "bare_is_other": bare == other,
+        "root_reload": r2.status_code,
+        "root_restores": again == boot,
+    }
+
+
+@case
 async def case_failed_reload_then_good_reload(s: Side) -> Obs:
     bad = {"method": "reload_weights", "kwargs": {"weights_path": str(s.models / "nope")}}
     r = await s.dev.post("/collective_rpc", json=bad)

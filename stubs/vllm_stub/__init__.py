@@ -115,7 +115,9 @@ Choices:
 - Only ``reload_weights`` is a known ``collective_rpc`` method; any other is a 500
   ("...Worker failed with error ''Worker' object has no attribute 'NAME''..."; real:
   the worker class, e.g. ``'CPUWorker'``). ``results`` is ``[null]`` (one worker);
-  ``timeout`` is ignored. ``reload_weights`` without ``weights_path`` reloads MODEL.
+  ``timeout`` is ignored. ``reload_weights`` without ``weights_path`` reloads the
+  weights loaded last (MODEL until a reload), as vLLM 0.32 does: it is no way back to
+  the boot weights, which are reloaded from MODEL's directory (``/v1/models`` ``root``).
   A missing directory's worker error is ``[Errno 2] No such file or directory: '...'``
   (real: whatever the weight loader raises).
 - ``logprobs`` are fake (-0.5 each); ``temperature``/``top_p`` are validated but do not

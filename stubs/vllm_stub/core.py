@@ -127,7 +127,8 @@ class Core:
 
     def reload(self, msg: dict[str, Any]) -> dict[str, Any]:
         """``reload_weights``: errors are the worker's ``str(exception)`` as vLLM shows
-        it; ``weights_path`` None reloads MODEL (a directory, else its name)."""
+        it; ``weights_path`` None reloads ``model``: the engine passes the weights it
+        loaded last (MODEL until a reload; a directory, else its name)."""
         path = msg.get("weights_path")
         time.sleep(float(msg.get("seconds", 0)))
         if msg.get("fail"):

@@ -121,7 +121,10 @@ class Engine:
     ) -> None:
         self.core = core
         self.identity = identity
-        self.model_path = model_path  # MODEL: what reload_weights without a path reloads
+        self.model_path = model_path  # MODEL, what it booted with
+        # What reload_weights without a weights_path reloads: the weights last loaded, not
+        # MODEL (vLLM 0.32 keeps serving the last reloaded ones; vllm_tier's contract).
+        self.loaded_path = model_path
         self.tokens_per_s = tokens_per_s
         self.reload_seconds = reload_seconds
         self.sleep_mode = sleep_mode
@@ -353,7 +356,7 @@ class Engine:
                 reply = await self.core.call(
                     "reload",
                     weights_path=path,
-                    model=self.model_path,
+                    model=self.loaded_path,
                     seconds=self.reload_seconds,
                     fail=self.fail_reload,
                 )
@@ -369,7 +372,8 @@ class Engine:
             self.identity = str(reply["identity"])
             self.discarded = False
             self.weights_broken = False
-            log(f"reloaded weights from {path or self.model_path} (identity={self.identity})")
+            self.loaded_path = path or self.loaded_path
+            log(f"reloaded weights from {self.loaded_path} (identity={self.identity})")
         return [None]
 
     def set_weight_version(self, version: str) -> None:
