@@ -69,9 +69,9 @@ def chart(
     """Draw the timeline (module docstring); `rows` are drawn top to bottom. `colors`:
     each row's colour (default `ROW_COLORS` in turn); `legend`: (label, colour) entries
     in place of one "NAME holds the GPU" entry per row (the pool demo's many rows)."""
-    from matplotlib.patches import Patch  # new_figure has checked matplotlib is there
+    fig = new_figure(WIDTH_IN, FRAME_IN + TRACK_IN * len(rows))  # ChartsMissing without it
+    from matplotlib.patches import Patch  # after new_figure: it checked matplotlib is there
 
-    fig = new_figure(WIDTH_IN, FRAME_IN + TRACK_IN * len(rows))
     ax = fig.add_subplot()
     window = max(window_s, 1e-6)
     handles: list[Any] = []
