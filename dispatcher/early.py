@@ -182,6 +182,10 @@ class EarlyStart:
 
     async def _prepare(self) -> None:
         r = self.replica
+        if r.unknown:  # a control call failed before: what it holds is read back first
+            found = await r.settle(min(self.cfg.wake_timeout, CONTROL_TIMEOUT_S))
+            log.info("early start: read the replica back after a failed call: %s", found)
+            self.events.publish("settled", turn=None, early=True, found=found)
         await self.recovery.check(0)  # a restarted replica: recovered now, as in a turn
         if self.recovery.needed:
             t0 = time.monotonic()

@@ -828,6 +828,10 @@ class TurnLoop:
                 self.events.publish("recovered", turn=n, duration_s=_since(t0))
             self._enter(Phase.WAKING)
             t0 = time.monotonic()
+            if self.replica.unknown:  # a control call failed: read what it holds first
+                found = await self.replica.settle(min(self.cfg.wake_timeout, CONTROL_TIMEOUT_S))
+                log.info("turn %d: read the replica back after a failed call: %s", n, found)
+                self.events.publish("settled", turn=n, early=False, found=found)
             if self.replica.awake and await self._still_awake(n):
                 cur.wake_skipped = True  # nobody was parked for this turn
                 self.health.ok(Check.REPLICA)

@@ -138,6 +138,9 @@ class Replica:
         self.dropped = False  # our level-2 sleep discarded the weights; none loaded since
         self.kv_asleep = False  # woken by wake_weights, wake_kv_cache not yet sent
         self.awake = False  # we left it fully awake (a lazy release); unknown: False
+        # A control call failed or timed out: what vLLM holds (asleep? which weights?) is
+        # unknown until settle() read it back; nothing is sent before.
+        self.unknown = False
         self._wire = (
             None if transport is not None
             else wire.Pool.from_url(
@@ -262,10 +265,20 @@ class Replica:
             return str(e)
         return None
 
+    async def _control(self, method: str, path: str, timeout: float, **kw: Any) -> dict[str, Any]:
+        """:meth:`_json` for a call that changes the replica's state: a failure (no answer,
+        an error, a timeout) leaves it :attr:`unknown` (it may have acted, in part)."""
+        try:
+            return await self._json(method, path, timeout, **kw)
+        except ReplicaError:
+            self.unknown = True
+            raise
+
     async def wake(self, timeout: float = 300) -> None:
         """``POST /wake_up`` (all tags); raises unless the replica says it is awake."""
-        data = await self._json("POST", "/wake_up", timeout)
+        data = await self._control("POST", "/wake_up", timeout)
         if data.get("status", "awake") != "awake":
+            self.unknown = True
             raise ReplicaError(f"POST {self.base_url}/wake_up: still {data.get('status')!r}")
         self.kv_asleep = False
         self.awake = True
@@ -274,9 +287,16 @@ class Replica:
         """The first step of a level-2 wake: ``POST /wake_up?tags=weights``. vLLM
         re-allocates the weights (garbage until a :meth:`load`) and stays asleep,
         scheduling included, until :meth:`wake_kv_cache`."""
-        data = await self._json("POST", "/wake_up", timeout, params={"tags": "weights"})
+        try:
+            data = await self._control("POST", "/wake_up", timeout, params={"tags": "weights"})
+        except ReplicaError:
+            # Weights copied back in part, or not at all: only a whole load proves them,
+            # and the next wake goes in the level-2 order (weights, load, KV cache).
+            self.known_version, self.dropped = None, True
+            raise
         status = data.get("status")
         if status not in ("sleeping", "awake"):
+            self.unknown = True
             raise ReplicaError(f"POST {self.base_url}/wake_up?tags=weights: {status!r}")
         self.kv_asleep = status == "sleeping"
         self.awake = status == "awake"
@@ -287,33 +307,40 @@ class Replica:
         /reset_prefix_cache``. On a failure the weights count as unknown again (and
         :attr:`dropped`): the next turn wakes in the level-2 order and loads whole."""
         try:
-            data = await self._json("POST", "/wake_up", timeout, params={"tags": "kv_cache"})
+            data = await self._control("POST", "/wake_up", timeout, params={"tags": "kv_cache"})
             if data.get("status", "awake") != "awake":
                 raise ReplicaError(
                     f"POST {self.base_url}/wake_up?tags=kv_cache: still {data.get('status')!r}"
                 )
             self.kv_asleep = False
             self.awake = True
-            reset = await self._json("POST", "/reset_prefix_cache", timeout)
+            reset = await self._control("POST", "/reset_prefix_cache", timeout)
             if reset.get("success") is False:
                 raise ReplicaError(f"POST {self.base_url}/reset_prefix_cache: not reset")
         except ReplicaError:
             self.epoch += 1
             self.known_version = None
             self.dropped = True
+            self.unknown = True
             raise
 
     async def sleep(self, level: int = 1, mode: str = "abort", timeout: float = 300) -> None:
-        """``POST /sleep?level=&mode=``; bumps the epoch first (requests in flight die)."""
+        """``POST /sleep?level=&mode=``; bumps the epoch first (requests in flight die).
+
+        What it did is recorded only once vLLM said so: a sleep that failed or timed out
+        leaves the replica :attr:`unknown` (it may be awake, asleep at this level, or
+        slept since by someone else at another: slicerd has its launcher park a replica
+        that still holds its memory, at the launcher's own level), never "asleep with
+        its weights kept"."""
         if level not in (0, 1, 2) or mode not in _SLEEP_MODES:
             raise ValueError(f"sleep level must be 0..2 and mode one of {_SLEEP_MODES}")
         self.epoch += 1
+        self.awake = False  # nothing is sent until a wake (or settle) says it is awake
+        await self._control("POST", "/sleep", timeout, params={"level": level, "mode": mode})
         if level == 2:
             self.known_version = None  # level 2 drops the weights
             self.dropped = True
         self.kv_asleep = False
-        self.awake = False
-        await self._json("POST", "/sleep", timeout, params={"level": level, "mode": mode})
 
     async def is_sleeping(self, timeout: float = CONTROL_TIMEOUT_S) -> bool:
         """``GET /is_sleeping`` (also true while paused)."""
@@ -340,6 +367,31 @@ class Replica:
         if state not in ("weights_offloaded", "paused"):
             self.known_version = None
             self.dropped = True
+
+    async def settle(self, timeout: float = CONTROL_TIMEOUT_S) -> str:
+        """Read back what an :attr:`unknown` replica holds (after a failed control call):
+        ``GET /is_sleeping``, the sleep state (``GET /metrics``) and ``GET /weight_info``,
+        each bounded by ``timeout``; a read that fails raises (it stays unknown). The
+        revision loaded stays :attr:`known_version` only when that proves its weights
+        whole: the label is still ours and the sleep state one that keeps weights (awake,
+        level 1, paused); anything else (level 2, an unreadable state, another label)
+        counts as no weights loaded, in the level-2 order while asleep (wake the weights,
+        load whole, then the KV cache). Returns what it found, in words (for the log)."""
+        sleeping = await self.is_sleeping(timeout)
+        state = await self.sleep_state(timeout)
+        label = await self.weight_version(timeout)
+        self.epoch += 1  # nothing sent before counts
+        # A sleeping replica may be half-woken (weights without their KV cache): what a
+        # failed wake left stays suspected; vLLM's answers cannot tell the two apart.
+        self.awake, self.kv_asleep = not sleeping, self.kv_asleep and sleeping
+        kept = state in ("awake", "weights_offloaded", "paused") and not self.dropped
+        if self.known_version is not None and not (kept and label == self.known_version):
+            self.known_version = None
+        if self.known_version is None and sleeping:
+            self.dropped = True  # the level-2 order suits any state of the weights
+        self.unknown = False
+        whole = "weights whole" if self.known_version else "weights unknown: loaded whole next"
+        return f"is_sleeping={sleeping}, sleep state {state}, label {label!r}: {whole}"
 
     async def is_paused(self, timeout: float = CONTROL_TIMEOUT_S) -> bool:
         """``GET /is_paused`` (also true while asleep)."""

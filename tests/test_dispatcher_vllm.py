@@ -517,3 +517,46 @@ async def test_against_vllm_stub(vllm_stub: str, tmp_path: Path) -> None:
         assert chat["choices"][0]["weight_versions"][0]["version"] == "r7"
         await r.sleep()
         assert await r.is_sleeping()
+
+
+@pytest.mark.parametrize(
+    ("state", "label", "kept"),
+    [
+        ("weights_offloaded", "r1", True),  # level 1 (ours or the launcher's): weights kept
+        ("discard_all", "r1", False),  # level 2 by the launcher: the label outlives them
+        ("weights_offloaded", "other", False),  # relabelled: not the weights we loaded
+        (None, "r1", False),  # an unreadable sleep state proves nothing
+    ],
+)
+async def test_a_failed_sleep_leaves_the_replica_unknown_until_settle_reads_it(
+    fake: FakeVllm, state: str | None, label: str, kept: bool
+) -> None:
+    def route(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/sleep" and not fake.asleep:
+            fake.asleep = True  # it acted, then the answer was lost (a reset, a timeout)
+            raise httpx.ReadError("connection reset", request=request)
+        if path == "/metrics":
+            if state is None:
+                return httpx.Response(404)
+            lines = [
+                f'vllm:engine_sleep_state{{engine="0",sleep_state="{s}"}} '
+                f"{1.0 if s == state else 0.0}"
+                for s in ("awake", "weights_offloaded", "discard_all")
+            ]
+            return httpx.Response(200, text="\n".join(lines) + "\n")
+        return fake(request)
+
+    async with Replica("http://vllm", transport=httpx.MockTransport(route)) as r:
+        await r.wake()
+        await r.load("r1", "/ckpt/r1")
+        fake.version = label
+        with pytest.raises(ReplicaError):
+            await r.sleep(level=1)
+        # Never "asleep with its weights kept": unknown, and nothing claimed of it.
+        assert r.unknown and not r.awake and r.known_version == "r1"
+        found = await r.settle(5)
+        assert not r.unknown and not r.awake, found
+        assert (r.known_version == "r1") is kept, found
+        # Not proven: the next wake goes in the level-2 order and loads whole.
+        assert r.dropped is (not kept), found

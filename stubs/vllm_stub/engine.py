@@ -135,6 +135,7 @@ class Engine:
         self.hang_sleep = False
         self.hang_wake = False
         self.sleep_seconds = 0.0  # stub fault: each /sleep takes this much longer
+        self.fail_sleep = 0  # stub fault: the next N /sleep calls fail (500), doing nothing
         self.weight_version = "default"
         self.update_open = False
         self.sleep_level: int | None = None  # None: awake
@@ -242,6 +243,10 @@ class Engine:
             if self.hang_sleep:
                 log("sleep held (hang_sleep fault)")
             await self._until(lambda: not self.hang_sleep)
+            if self.fail_sleep > 0:
+                self.fail_sleep -= 1
+                log(f"sleep failed (fail_sleep fault; {self.fail_sleep} more)")
+                raise EngineError("EngineCore encountered an issue (fail_sleep fault)", 500)
             if self.sleeping:
                 log(f"already sleeping (level={self.sleep_level}): no-op")
                 return
