@@ -7,9 +7,10 @@ proxy notes, before forwarding it, whether slicerd says the replica's workload h
 GPU, how many generation calls are in flight, and how long vLLM took. From that record
 the test checks the order the dispatcher issue specifies, per turn: calls only inside a
 turn of the replica (the read-only health probes, ``GET /health``, ``GET
-/is_sleeping`` and ``GET /weight_info``, excepted: they do no GPU work and are asked
-between turns too; ``/is_sleeping`` proves the dev routes answer before a turn is asked
-for),
+/is_sleeping`` and ``GET /weight_info``, and ``GET /v1/models``, excepted: they do no
+GPU work and are asked between turns too; ``/is_sleeping`` proves the dev routes answer
+before a turn is asked for, ``/v1/models`` names the model directory the replica booted
+from, revision ``base``),
 recovery (one bare finish) and a whole load before the first
 generation of a dispatcher's life, wake before any generation, a load whole (reload,
 label, prefix-cache reset, check) and never under a generation, sleep at the end of
@@ -230,7 +231,7 @@ async def swap_weights_behind_the_label(stack: Stack, url: str, models: Path) ->
 # The dispatcher's health probes (README, "What is wrong, and readiness"): read-only
 # questions that do no GPU work, asked between its turns too. Every call that can (wake,
 # load, generate, sleep) is held to the order below.
-PROBES = ("/health", "/is_sleeping", "/weight_info")
+PROBES = ("/health", "/is_sleeping", "/weight_info", "/v1/models")
 
 
 def _probe(c: Call) -> bool:
