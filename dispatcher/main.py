@@ -119,6 +119,7 @@ from gpu_slicer.dispatcher.model import (
     WEIGHT_CHECKS,
     TurnConfig,
 )
+from gpu_slicer.dispatcher.poolurl import check_password_file, load_password
 from gpu_slicer.dispatcher.store import SYNC_MODES, Store
 from gpu_slicer.dispatcher.turns import RELEASE_TIMEOUT_S, TurnLoop
 from gpu_slicer.dispatcher.vllm import MAX_IDLE_CONNECTIONS, Replica
@@ -144,6 +145,7 @@ class _PoolArgs:
     reclaim_idle: float
     result_ttl: float
     patience: float
+    password: str | None = None  # --queue-password-file's (else $SLICER_REDIS_PASSWORD)
 
 
 async def _run(
@@ -161,7 +163,9 @@ async def _run(
             from gpu_slicer.dispatcher.poollink import PoolLink
             from gpu_slicer.dispatcher.poolstore import PoolStore
 
-            conn = await stack.enter_async_context(PoolConn(pool.queue, pool.pool))
+            conn = await stack.enter_async_context(
+                PoolConn(pool.queue, pool.pool, password=pool.password)
+            )
             queue = PoolStore(conn, pool.replica, reclaim_idle=pool.reclaim_idle,
                               result_ttl=pool.result_ttl)  # fmt: skip
             link = PoolLink(queue, cfg.concurrency * cfg.batch_prompts, pool.patience)
@@ -215,6 +219,13 @@ def _bind(listen: str | None, listen_unix: str | None) -> str:
     "--queue",
     callback=startup.check_queue,
     help="pool mode: the pool's Redis, redis://HOST:PORT/DB or unix:///PATH?db=N",
+)
+@click.option(
+    "--queue-password-file",
+    "queue_password_file",
+    callback=check_password_file,
+    help="pool mode: a file whose first line is the Redis password (kept out of ps and "
+    "pod specs; else $SLICER_REDIS_PASSWORD, unless the --queue URL holds one)",
 )
 @click.option(
     "--consumer",
@@ -326,6 +337,7 @@ def main(
     early_start: int | None,
     log_level: str,
     queue: str | None,
+    queue_password_file: str | None,
     consumer: str | None,
     reclaim_idle: float | None,
     result_ttl: float,
@@ -379,7 +391,8 @@ def main(
             patience = ask_patience or 2 * turn_seconds + turn_grace
             pool_args = _PoolArgs(queue, pool or workload,
                                   consumer or f"{socket.gethostname()}/{workload}",
-                                  reclaim_idle or whole, result_ttl, patience)  # fmt: skip
+                                  reclaim_idle or whole, result_ttl, patience,
+                                  load_password(queue_password_file))  # fmt: skip
         try:
             trio.run(_run, store, replica_url, cfg, bind, pool_args)
         except BaseExceptionGroup as group:

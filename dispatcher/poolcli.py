@@ -1,7 +1,10 @@
 """`slicer-pool`: a pool's status read straight from its Redis (no dispatcher asked).
 
-    slicer-pool --queue URL status [--pool P] [--reclaim-idle S] [--json]
-    slicer-pool --queue URL revisions --pool P [--json]
+    slicer-pool --queue URL [--queue-password-file F] status [--pool P] [--reclaim-idle S] [--json]
+    slicer-pool --queue URL [--queue-password-file F] revisions --pool P [--json]
+
+The password, if Redis needs one and the URL holds none: ``--queue-password-file FILE``
+(its first line), else ``$SLICER_REDIS_PASSWORD``; it shows nowhere (``dispatcher.poolurl``).
 
 ``status --pool P`` prints three tables and the pool's counters:
 
@@ -51,6 +54,7 @@ from gpu_slicer.dispatcher.poollink import REPORT_TTL_S
 from gpu_slicer.dispatcher.poolscripts import FREE
 from gpu_slicer.dispatcher.poolstore import PoolStore
 from gpu_slicer.dispatcher.poolsummary import read_reports
+from gpu_slicer.dispatcher.poolurl import check_password_file, load_password, password_from, redact
 from gpu_slicer.dispatcher.turns import RELEASE_TIMEOUT_S
 from gpu_slicer.slicer.cli import render_table
 from gpu_slicer.slicer.exits import (
@@ -148,12 +152,10 @@ async def pool_status(conn: PoolConn, reclaim_idle: float | None = None) -> dict
     }
 
 
-async def pool_names(url: str) -> list[str]:
+async def pool_names(url: str, password: str | None = None) -> list[str]:
     """The pools that have revisions or replicas in the Redis at ``url``, sorted."""
-    client: coredis.Redis[bytes] = coredis.Redis.from_url(
-        url, connect_timeout=poolconn.CONNECT_TIMEOUT_S,
-        stream_timeout=poolconn.CALL_TIMEOUT_S, verify_version=False,
-    )  # fmt: skip
+    probe = PoolConn(url, "-", password=password)  # the URL's password or the given one
+    client = probe.raw_client()
     found: set[str] = set()
     async with client:
         # Caught in here: out of the client's block an error comes wrapped in a group.
@@ -168,7 +170,8 @@ async def pool_names(url: str) -> list[str]:
                         if m:
                             found.add(m.group(1))
         except (coredis.exceptions.RedisError, OSError, trio.TooSlowError) as e:
-            text = f"redis {poolconn._safe(url)}: SCAN: {type(e).__name__}: {e}".rstrip(": ")
+            why = probe.scrub(str(e))
+            text = f"redis {probe.shown}: SCAN: {type(e).__name__}: {why}".rstrip(": ")
             raise PoolUnavailable(text) from None
     return sorted(found)
 
@@ -246,8 +249,10 @@ def _run(call: Callable[[], Awaitable[T]]) -> T:
         raise CliFailure(f"{e} (is Redis running there? check --queue)", EX_UNAVAILABLE) from None
 
 
-async def _read(url: str, pool: str, reclaim_idle: float | None) -> dict[str, Any]:
-    async with PoolConn(url, pool) as conn:
+async def _read(
+    url: str, pool: str, reclaim_idle: float | None, password: str | None
+) -> dict[str, Any]:
+    async with PoolConn(url, pool, password=password) as conn:
         st = await pool_status(conn, reclaim_idle)
         if not (st["published"] or st["replicas"] or st["revisions"]):
             raise CliFailure(
@@ -270,12 +275,18 @@ def _echo(obj: object, as_json: bool, text: str) -> None:
     callback=startup.check_queue,
     help="the pool's Redis, redis://HOST[:PORT][/DB] or unix:///PATH[?db=N]",
 )
+@click.option(
+    "--queue-password-file",
+    "password",
+    callback=check_password_file,
+    help="a file whose first line is the Redis password (else $SLICER_REDIS_PASSWORD)",
+)
 @click.pass_context
-def main(ctx: click.Context, queue: str) -> None:
+def main(ctx: click.Context, queue: str, password: str | None) -> None:
     """Read a sampling pool's state from its Redis (what `slicer-dispatch --queue` uses)."""
     # PoolConn and coredis log their failures; here the one error line says it all.
     logging.getLogger().addHandler(logging.NullHandler())
-    ctx.obj = queue
+    ctx.obj = (queue, password_from(load_password(password)))
 
 
 @main.command("status")
@@ -287,17 +298,20 @@ def main(ctx: click.Context, queue: str) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="one JSON object")
 @click.pass_obj
-def status(url: str, pool: str | None, reclaim_idle: float | None, as_json: bool) -> None:
+def status(
+    obj: tuple[str, str | None], pool: str | None, reclaim_idle: float | None, as_json: bool
+) -> None:
     """Per revision and per replica: pending, claims, turns, loads, counters."""
+    url, password = obj
     if pool is not None:
-        st = _run(lambda: _read(url, pool, reclaim_idle))
+        st = _run(lambda: _read(url, pool, reclaim_idle, password))
         _echo(st, as_json, status_text(st))
         return
 
     async def listing() -> list[dict[str, Any]]:
         out = []
-        for name in await pool_names(url):
-            async with PoolConn(url, name) as conn:
+        for name in await pool_names(url, password):
+            async with PoolConn(url, name, password=password) as conn:
                 st = await pool_status(conn, reclaim_idle)
             live = [n for n, r in st["replicas"].items() if not r["stale"]]
             pending = sum(v["pending"] for v in st["revisions"].values())
@@ -309,7 +323,7 @@ def status(url: str, pool: str | None, reclaim_idle: float | None, as_json: bool
     text = (
         render_table(["pool", "pending", "revisions", "replicas"],
                      [[p["pool"], p["pending"], p["revisions"], p["replicas"]] for p in pools])
-        if pools else f"no pool in the Redis at {poolconn._safe(url)}"
+        if pools else f"no pool in the Redis at {redact(url)}"
     )  # fmt: skip
     _echo({"pools": pools}, as_json, text)
 
@@ -318,13 +332,14 @@ def status(url: str, pool: str | None, reclaim_idle: float | None, as_json: bool
 @click.option("--pool", required=True, callback=startup.check_name, help="the pool")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object")
 @click.pass_obj
-def revisions(url: str, pool: str, as_json: bool) -> None:
+def revisions(obj: tuple[str, str | None], pool: str, as_json: bool) -> None:
     """The pool's published revisions, oldest first, with their pending requests."""
-    st = _run(lambda: _read(url, pool, None))
+    url, password = obj
+    st = _run(lambda: _read(url, pool, None, password))
     pending = {n: st["revisions"].get(n, {}).get("pending", 0) for n in st["published"]}
-    obj = {"pool": pool, "revisions": {n: {**v, "pending": pending[n]}
+    out = {"pool": pool, "revisions": {n: {**v, "pending": pending[n]}
                                        for n, v in st["published"].items()}}  # fmt: skip
-    _echo(obj, as_json, revisions_text(st))
+    _echo(out, as_json, revisions_text(st))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@ nothing here retries on its own: the callers' loops do, each with its own bound.
 Blocking reads (``XREAD BLOCK``, :meth:`PoolConn.read_streams`) use a client of their own,
 so a long-poll of the notification streams never holds up a claim or a commit.
 
-The URL is ``redis://[:PASSWORD@]HOST[:PORT][/DB]`` or ``unix:///PATH[?db=N]``
-(:func:`~dispatcher.poolurl.check_url`).
+The URL is ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]`` or ``unix:///PATH[?db=N]``
+(:func:`~dispatcher.poolurl.check_url`); a password not in it comes from
+``--queue-password-file`` or ``$SLICER_REDIS_PASSWORD`` (:mod:`dispatcher.poolurl`). No
+password shows anywhere: :attr:`PoolConn.shown` is the URL redacted, and every error text
+is scrubbed of the passwords this connection knows.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
-from urllib.parse import urlsplit
 
 import coredis
 import trio
@@ -31,7 +33,7 @@ from gpu_slicer.dispatcher.errors import (
     StoreFull,
     UnknownRevision,
 )
-from gpu_slicer.dispatcher.poolurl import check_url
+from gpu_slicer.dispatcher.poolurl import check_url, password_from, redact, scrub, url_passwords
 
 __all__ = ["CALL_TIMEOUT_S", "PoolConn", "check_url"]  # check_url: poolurl's
 
@@ -47,23 +49,19 @@ def _b(v: str | bytes) -> bytes:
     return v.encode() if isinstance(v, str) else v
 
 
-def _safe(url: str) -> str:
-    """``url`` without its password, for logs and /status."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    return url.replace(f":{parts.password}@", ":***@", 1)
-
-
 class PoolConn:
     """Bounded access to pool ``pool``'s keys in the Redis at ``url`` (module docstring).
 
     Use as ``async with PoolConn(url, pool) as conn``; nothing connects before the first
-    call, so an unreachable Redis at start is a waiting state, not an error."""
+    call, so an unreachable Redis at start is a waiting state, not an error. ``password``
+    (a ``--queue-password-file``'s) is used when the URL holds none, else
+    ``$SLICER_REDIS_PASSWORD``; no password shows in :attr:`shown` or in any error."""
 
-    def __init__(self, url: str, pool: str) -> None:
+    def __init__(self, url: str, pool: str, password: str | None = None) -> None:
         self.url = check_url(url)
-        self.shown = _safe(url)
+        self.shown = redact(url)
+        self._password = None if url_passwords(url) else password_from(password)
+        self._secrets = [*url_passwords(url), *([self._password] if self._password else [])]
         self.pool = pool
         self.prefix = poolscripts.prefix(pool)
         self.down: str | None = None  # the last failure, until a call works
@@ -76,10 +74,20 @@ class PoolConn:
         self._scripts: dict[str, Any] = {}
 
     def _new_client(self, timeout: float) -> coredis.Redis[bytes]:
+        extra: dict[str, Any] = {} if self._password is None else {"password": self._password}
         return coredis.Redis.from_url(
             self.url, connect_timeout=CONNECT_TIMEOUT_S, stream_timeout=timeout,
-            verify_version=False,
+            verify_version=False, **extra,
         )  # fmt: skip
+
+    def raw_client(self) -> coredis.Redis[bytes]:
+        """A new client of this Redis (same URL and password, bounded like the calls)
+        for commands of no pool (``SCAN``); the caller enters and closes it."""
+        return self._new_client(CALL_TIMEOUT_S)
+
+    def scrub(self, text: str) -> str:
+        """``text`` without any password this connection knows."""
+        return scrub(text, self._secrets)
 
     async def __aenter__(self) -> PoolConn:
         await self._client.__aenter__()
@@ -114,7 +122,8 @@ class PoolConn:
 
     def _failed(self, what: str, exc: BaseException) -> PoolUnavailable:
         self.failures += 1
-        text = f"redis {self.shown}: {what}: {type(exc).__name__}: {exc}".rstrip(": ")
+        text = f"redis {self.shown}: {what}: {type(exc).__name__}: {self.scrub(str(exc))}"
+        text = text.rstrip(": ")
         if self.down is None:
             log.error("%s", text)
             self.down_since = time.time()
@@ -157,7 +166,7 @@ class PoolConn:
             # Redis at its maxmemory (noeviction): the pool's "disk full". Reachable, so
             # not "down"; the front answers 507 as for a full SQLite disk.
             self._ok()
-            return StoreFull(f"redis {self.shown}: {name}: out of memory ({e})")
+            return StoreFull(f"redis {self.shown}: {name}: out of memory ({self.scrub(str(e))})")
         return self._failed(name, e)
 
     async def command(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -156,3 +156,42 @@ async def test_failures_are_one_line_with_their_codes(tmp_path: Path) -> None:
             r.kill()
             for args in (["status"], ["status", "--pool", "pa"], ["revisions", "--pool", "pa"]):
                 assert_one_line(await run(r, *args), 69, DOWN)
+
+
+async def test_a_redis_password_works_from_a_file_or_the_environment_and_never_shows(
+    tmp_path: Path,
+) -> None:
+    """A pool's Redis with ``requirepass``: the password is taken from the URL, a file
+    (``--queue-password-file``: a mounted Secret) or ``$SLICER_REDIS_PASSWORD``; no output,
+    error or status shows it, in any URL form, right or wrong."""
+    secret, wrong = "S3cret-pw_1", "Wr0ng-pw_2"
+    with trio.fail_after(60), RedisServer(tmp_path / "redis") as r:
+        r.command("CONFIG", "SET", "requirepass", secret)
+        async with PoolConn(r.url, "pa", password=secret) as c:
+            await PoolStore(c, "node-a").publish("r1", "/ckpt/r1")
+            assert secret not in json.dumps(c.health())
+        (tmp_path / "pw").write_text(f"{secret}\n")
+        base = [*CLI, "--queue", r.url]
+        ok = [
+            await arun_cli([*base, "--queue-password-file", str(tmp_path / "pw"), "status",
+                            "--pool", "pa", "--json"]),
+            await arun_cli([*base, "status", "--pool", "pa", "--json"],
+                           env={"SLICER_REDIS_PASSWORD": secret}),
+            await arun_cli([*CLI, "--queue", r.url.replace("unix://", f"unix://:{secret}@"),
+                            "status", "--pool", "pa", "--json"]),
+        ]  # fmt: skip
+        for res in ok:
+            assert res.rc == 0 and "r1" in json.loads(res.stdout)["published"], res.describe()
+            assert secret not in res.stdout + res.stderr, res.describe()
+        refused = [
+            await run(r, "status", "--pool", "pa"),  # none given
+            await arun_cli([*CLI, "--queue", r.url.replace("unix://", f"unix://:{wrong}@"),
+                            "status"]),
+            await arun_cli([*CLI, "--queue", f"{r.url}&password={wrong}", "status"]),
+            await arun_cli([*base, "status"], env={"SLICER_REDIS_PASSWORD": wrong}),
+        ]  # fmt: skip
+        for res in refused:
+            assert res.rc == 69, res.describe()
+            said = res.stdout + res.stderr
+            assert secret not in said and wrong not in said, res.describe()
+        assert "***" in refused[1].stderr and "***" in refused[2].stderr
