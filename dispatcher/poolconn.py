@@ -33,7 +33,14 @@ from gpu_slicer.dispatcher.errors import (
     StoreFull,
     UnknownRevision,
 )
-from gpu_slicer.dispatcher.poolurl import check_url, password_from, redact, scrub, url_passwords
+from gpu_slicer.dispatcher.poolurl import (
+    check_url,
+    has_password,
+    password_from,
+    redact,
+    scrub,
+    url_passwords,
+)
 
 __all__ = ["CALL_TIMEOUT_S", "PoolConn", "check_url"]  # check_url: poolurl's
 
@@ -60,7 +67,9 @@ class PoolConn:
     def __init__(self, url: str, pool: str, password: str | None = None) -> None:
         self.url = check_url(url)
         self.shown = redact(url)
-        self._password = None if url_passwords(url) else password_from(password)
+        # A user name alone (redis://USER@HOST, an ACL user) holds no password: the file's
+        # or the environment's goes with it.
+        self._password = None if has_password(url) else password_from(password)
         self._secrets = [*url_passwords(url), *([self._password] if self._password else [])]
         self.pool = pool
         self.prefix = poolscripts.prefix(pool)
@@ -77,7 +86,9 @@ class PoolConn:
         extra: dict[str, Any] = {} if self._password is None else {"password": self._password}
         return coredis.Redis.from_url(
             self.url, connect_timeout=CONNECT_TIMEOUT_S, stream_timeout=timeout,
-            verify_version=False, **extra,
+            # A percent-encoded password (what check_url asks for '/', '?' and '#') is
+            # sent decoded.
+            verify_version=False, decode_components=True, **extra,
         )  # fmt: skip
 
     def raw_client(self) -> coredis.Redis[bytes]:

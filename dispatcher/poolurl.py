@@ -27,6 +27,7 @@ __all__ = [
     "PASSWORD_ENV",
     "check_password_file",
     "check_url",
+    "has_password",
     "load_password",
     "password_from",
     "read_password_file",
@@ -106,6 +107,15 @@ def url_passwords(url: str) -> list[str]:
     for pair in [p for p in parts.query.split("&") if p.lower().startswith("password=")]:
         out.append(pair.split("=", 1)[1])
     return [p for p in {*out, *(unquote(p) for p in out)} if p]
+
+
+def has_password(url: str) -> bool:
+    """Whether ``url`` (one :func:`check_url` accepts) gives a password: ``:PW@`` or
+    ``USER:PW@`` in its user info, or a ``password=`` query (a user name alone gives none)."""
+    parts = urlsplit(url)
+    if parts.password is not None:
+        return True
+    return any(k.lower() == "password" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
 
 
 def scrub(text: str, secrets: list[str]) -> str:

@@ -407,7 +407,8 @@ class Replica:
         card's ``root``, a directory or a hub name."""
         data = await self._json("GET", "/v1/models", timeout)
         cards = data.get("data")
-        root = cards[0].get("root") if isinstance(cards, list) and cards else None
+        card = cards[0] if isinstance(cards, list) and cards else None
+        root = card.get("root") if isinstance(card, dict) else None
         if not isinstance(root, str) or not root:
             raise ReplicaError(f"GET {self.base_url}/v1/models: no model root in {data}"[:500])
         return root

@@ -315,6 +315,13 @@ class GpuOps:
             # By elimination the head's early bytes would count against this park: park
             # it the usual way (`slicer.early`).
             return False
+        if self.attr.blind and any(r.suspect and r.wid != e.wid for r in self.attr.roots(e.gpu)):
+            # By elimination what the freeze measures (`before`, its frozen_bytes) is the
+            # GPU's whole excess: with another suspect holding memory (a resident head)
+            # that would count as this workload's and hide the other's until the thaw.
+            log.info("%s: another workload may hold memory on GPU %d (census by "
+                     "elimination): park, not freeze", e.workload, e.gpu)  # fmt: skip
+            return False
         try:
             free = self.backend.free_bytes(e.gpu)
         except Exception as ex:  # unread: never freeze on a guess

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import trio
@@ -164,7 +165,7 @@ async def test_a_redis_password_works_from_a_file_or_the_environment_and_never_s
     """A pool's Redis with ``requirepass``: the password is taken from the URL, a file
     (``--queue-password-file``: a mounted Secret) or ``$SLICER_REDIS_PASSWORD``; no output,
     error or status shows it, in any URL form, right or wrong."""
-    secret, wrong = "S3cret-pw_1", "Wr0ng-pw_2"
+    secret, wrong = "S3c/ret?pw#1", "Wr0ng-pw_2"  # '/', '?', '#': percent-encoded in a URL
     with trio.fail_after(60), RedisServer(tmp_path / "redis") as r:
         r.command("CONFIG", "SET", "requirepass", secret)
         async with PoolConn(r.url, "pa", password=secret) as c:
@@ -177,12 +178,18 @@ async def test_a_redis_password_works_from_a_file_or_the_environment_and_never_s
                             "--pool", "pa", "--json"]),
             await arun_cli([*base, "status", "--pool", "pa", "--json"],
                            env={"SLICER_REDIS_PASSWORD": secret}),
-            await arun_cli([*CLI, "--queue", r.url.replace("unix://", f"unix://:{secret}@"),
+            await arun_cli([*CLI, "--queue",
+                            r.url.replace("unix://", f"unix://:{quote(secret, safe='')}@"),
                             "status", "--pool", "pa", "--json"]),
+            # An ACL user name alone holds no password: the environment's goes with it.
+            await arun_cli([*CLI, "--queue", r.url.replace("unix://", "unix://default@"),
+                            "status", "--pool", "pa", "--json"],
+                           env={"SLICER_REDIS_PASSWORD": secret}),
         ]  # fmt: skip
         for res in ok:
             assert res.rc == 0 and "r1" in json.loads(res.stdout)["published"], res.describe()
-            assert secret not in res.stdout + res.stderr, res.describe()
+            said = res.stdout + res.stderr
+            assert secret not in said and quote(secret, safe="") not in said, res.describe()
         refused = [
             await run(r, "status", "--pool", "pa"),  # none given
             await arun_cli([*CLI, "--queue", r.url.replace("unix://", f"unix://:{wrong}@"),

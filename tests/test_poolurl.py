@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_slicer.dispatcher.poolurl import check_url, redact, scrub, url_passwords
+from gpu_slicer.dispatcher.poolurl import check_url, has_password, redact, scrub, url_passwords
 
 SECRET = "s3cr"  # every password below contains it
 
@@ -52,3 +52,20 @@ def test_check_url_errors_never_show_the_password() -> None:
         check_url("redis://:s3cret@h:notaport/0")
     assert SECRET not in str(e.value) and "***" in str(e.value)
     assert check_url("redis://:s3cret@h:6379/0") == "redis://:s3cret@h:6379/0"
+
+
+@pytest.mark.parametrize(
+    ("url", "has"),
+    [
+        ("redis://:pw@h/0", True),
+        ("redis://alice:pw@h/0", True),
+        ("redis://h/0?password=pw", True),
+        ("redis://alice@h/0", False),  # an ACL user alone: the file's password goes with it
+        ("unix://default@/run/redis.sock?db=0", False),
+        ("redis://h/0", False),
+    ],
+)
+def test_only_a_password_in_the_url_overrides_the_file_or_the_environment(
+    url: str, has: bool
+) -> None:
+    assert has_password(url) is has
