@@ -43,13 +43,10 @@ wasted-turn backoff -> 20 (6 in the first minute, then one per 300 s).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,37 +58,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make the product and stubs importable
     sys.path.insert(0, str(ROOT))
 
+from stubs.notvllm import not_a_vllm  # noqa: E402
 from stubs.proc import free_port  # noqa: E402
 from stubs.stack import Stack, running_stack, vllm_stub_argv, workload  # noqa: E402
 
 SCENARIOS = ("dead-replica", "not-vllm", "load-fails", "deadline-restart", "burst-idle")
 HOUR = 3600.0
-
-
-async def _health_only(stream: trio.SocketStream) -> None:
-    """One HTTP/1.1 exchange: 200 for ``GET /health``, 404 for anything else."""
-    async with stream:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = await stream.receive_some(65536)
-            if not chunk:
-                return
-            data += chunk
-        ok = data.startswith(b"GET /health ")
-        body = b"" if ok else b'{"detail":"Not Found"}'
-        head = b"HTTP/1.1 200 OK" if ok else b"HTTP/1.1 404 Not Found"
-        await stream.send_all(
-            head + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
-        )
-
-
-@contextlib.asynccontextmanager
-async def not_a_vllm() -> AsyncIterator[str]:
-    """A server that answers only ``GET /health``; its base URL."""
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, _health_only, 0, host="127.0.0.1"))
-        yield f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
-        nursery.cancel_scope.cancel()
 
 
 async def _replica(stack: Stack, *stub: str) -> str:

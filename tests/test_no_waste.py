@@ -24,6 +24,7 @@ import pytest
 import trio
 
 from gpu_slicer.dispatcher.probe import DEV_ROUTES_HINT
+from stubs.notvllm import not_a_vllm
 from tests.harness import Stack, running_stack, workload
 from tests.procs import free_port, spawn
 from tests.test_dispatcher import publish, replica, result_of, status, stop, trainer, versions
@@ -59,34 +60,6 @@ async def problem_lasted(http: httpx.AsyncClient, text: str, seconds: float) -> 
     raise AssertionError(
         f"no problem {text!r} lasting {seconds} s: {st['problem']}, counters {st['counters']}"
     )
-
-
-@asynccontextmanager
-async def not_a_vllm() -> AsyncIterator[str]:
-    """An HTTP server that answers ``GET /health`` with 200 and everything else with 404,
-    as a vLLM started without ``VLLM_SERVER_DEV_MODE=1`` (or another service at the
-    port) does; its base URL."""
-
-    async def one(stream: trio.SocketStream) -> None:
-        async with stream:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    return
-                data += chunk
-            ok = data.startswith(b"GET /health ")
-            head = b"HTTP/1.1 200 OK" if ok else b"HTTP/1.1 404 Not Found"
-            body = b"" if ok else b'{"detail":"Not Found"}'
-            await stream.send_all(
-                head + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
-            )
-
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, one, 0, host="127.0.0.1"))
-        port = listeners[0].socket.getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-        nursery.cancel_scope.cancel()
 
 
 @asynccontextmanager
