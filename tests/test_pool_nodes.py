@@ -88,17 +88,42 @@ async def test_three_nodes_serve_2000_requests_over_5_revisions(tmp_path: Path) 
             stats = pool.stats()
             assert stats["committed"] == 2000, stats
             assert stats["failed"] == stats["duplicates"] == stats["reclaimed"] == 0, stats
+            # How the work spreads is the pool's choice, not this test's: a replica asks
+            # for a turn while the backlog is more than the others take, and whether its
+            # trainer's step ends before they drained it is timing (node2's steps are
+            # 0.4 s). Where the pool promises a spread, the next test checks it exactly.
             served = pool.served()
-            assert set(served) == {"node0", "node1", "node2"} and sum(served.values()) == 2000
-            assert all(v > 0 for v in served.values()), served
+            assert sum(served.values()) == 2000 and set(served) <= set(pool_names(pool))
             st = await dispatcher_status(fronts[0])
             assert st["pool_mode"]["redis"]["reachable"] is True
             for node in pool.nodes:  # every trainer kept training beside its replica
                 t = workload(await node.stack.status(), "trainer")
-                assert t is not None and t["parks"] >= 1, (node.name, t)
+                assert t is not None and t["state"] != "faulted" and t["grants"], (node.name, t)
             assert pool.overlaps() == {"node0": 0, "node1": 0, "node2": 0}
             pool.check_alive()
     print(f"three-node simulation: {time.monotonic() - t0:.1f} s, served {served}")
+
+
+def pool_names(pool: Pool) -> list[str]:
+    return [n.name for n in pool.nodes]
+
+
+async def test_a_backlog_no_one_replica_takes_wakes_each_for_its_share(tmp_path: Path) -> None:
+    """Three requests, three replicas of one slot each (``--concurrency 1``), each request
+    longer than any grant takes (30 tokens at 10 a second: 3 s): every replica sees a
+    backlog of 3 against what the others cover (0, 1, 2), so all three ask, and each
+    serves one, whatever the order of the grants."""
+    with trio.fail_after(60), RedisServer(tmp_path / "redis") as redis:
+        dargs = ["--turn-seconds", "10", "--turn-grace", "2", "--concurrency", "1"]
+        async with running_pool(3, redis, trainer_work=(0.05, 0.15, 0.4), dispatch_args=dargs,
+                                stub_args=("--tokens-per-s", "10")) as pool:  # fmt: skip
+            fronts = pool.fronts
+            await publish(fronts[0], "r1", pool.base)
+            sent = await submit_many(fronts, 3, max_tokens=30)
+            check_results(sent, await results(fronts[1], [s.id for s in sent]))
+            assert pool.served() == {"node0": 1, "node1": 1, "node2": 1}, pool.served()
+            assert pool.stats()["duplicates"] == pool.stats()["reclaimed"] == 0
+            pool.check_alive()
 
 
 def trainer_after_park(st: dict[str, Any]) -> bool:

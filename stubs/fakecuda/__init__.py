@@ -15,12 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
-from importlib import resources
 from pathlib import Path
 
 __all__ = ["LIBRARY", "BuildError", "build"]
@@ -46,6 +41,14 @@ def build(dest: Path, *, checkpoint_api: bool = True) -> Path:
     build into one ``dest`` at once. The compiler is ``$CC``, else ``gcc``; BuildError
     when it is missing or fails.
     """
+    # Imported here: every call of the cuda-checkpoint stub imports this package (for its
+    # .results), some thousands a test run, and only a build needs these modules.
+    import hashlib
+    import shutil
+    import subprocess
+    import tempfile
+    from importlib import resources
+
     source = resources.files(__name__).joinpath(SOURCE).read_bytes()
     compiler = os.environ.get("CC") or "gcc"
     flags = [*_FLAGS, *(() if checkpoint_api else (_NO_API,))]
