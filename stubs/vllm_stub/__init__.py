@@ -31,14 +31,17 @@ Stub-only additions
   instead of hypercorn (default), about a tenth of its CPU per request. Routes, bodies
   and failure modes are the same in both.
 - ``POST /_stub/fault`` ``{"hang_requests": bool, "crash": bool, "fail_reload": bool,
-  "hang_sleep": bool, "hang_wake": bool, "sleep_seconds": float, "fail_sleep": int}``
+  "hang_sleep": bool, "hang_wake": bool, "sleep_seconds": float, "fail_sleep": int,
+  "fail_wake": int}``
   (always registered):
   ``crash`` SIGKILLs the engine core; the server then answers 503 on /health for ~0.5 s
   and exits 0 (as vLLM 0.32 does when its engine dies). ``hang_sleep``/``hang_wake``
   hold every /sleep or /wake_up before it acts until cleared (a call left in flight by a
   dying caller). ``sleep_seconds`` makes every later /sleep take that much longer (a
   slow offload; 0 ends it). ``fail_sleep: N`` fails the next N /sleep calls with a 500
-  before they act (an engine error mid-call: nothing was slept).
+  before they act (an engine error mid-call: nothing was slept). ``fail_wake: N`` fails
+  the next N /wake_up calls with a 500 after they acted (whatever tags they woke stay
+  woken): what a caller whose wake timed out while vLLM went on sees.
 - Generated text is a deterministic function of (prompt token ids, weights identity,
   seed, choice index): a word list picked by hash. The weight_version label is not the
   content and does not change it (as in vLLM). The weights

@@ -333,11 +333,12 @@ def build_app(engine: Engine, cfg: AppConfig) -> Starlette:
             if key in body:
                 setattr(engine, key, bool(body[key]))
                 engine._notify()
-        if "fail_sleep" in body:
-            n = body["fail_sleep"]
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise EngineError(f"fail_sleep must be an integer >= 0, got {n!r}", 400)
-            engine.fail_sleep = n
+        for key in ("fail_sleep", "fail_wake"):
+            if key in body:
+                n = body[key]
+                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                    raise EngineError(f"{key} must be an integer >= 0, got {n!r}", 400)
+                setattr(engine, key, n)
         if "sleep_seconds" in body:
             seconds = body["sleep_seconds"]
             if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
@@ -354,6 +355,7 @@ def build_app(engine: Engine, cfg: AppConfig) -> Starlette:
                 "hang_wake": engine.hang_wake,
                 "sleep_seconds": engine.sleep_seconds,
                 "fail_sleep": engine.fail_sleep,
+                "fail_wake": engine.fail_wake,
             }
         )
 

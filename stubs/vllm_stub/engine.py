@@ -136,6 +136,8 @@ class Engine:
         self.hang_wake = False
         self.sleep_seconds = 0.0  # stub fault: each /sleep takes this much longer
         self.fail_sleep = 0  # stub fault: the next N /sleep calls fail (500), doing nothing
+        # stub fault: the next N /wake_up calls act, then fail (500): the answer is lost
+        self.fail_wake = 0
         self.weight_version = "default"
         self.update_open = False
         self.sleep_level: int | None = None  # None: awake
@@ -298,6 +300,10 @@ class Engine:
                 self.sleep_level = None
                 self.paused = None
             self._notify()
+            if self.fail_wake > 0:
+                self.fail_wake -= 1
+                log(f"wake failed after it acted (fail_wake fault; {self.fail_wake} more)")
+                raise EngineError("EngineCore encountered an issue (fail_wake fault)", 500)
             return not self.asleep_tags
 
     async def _wake_memory(self, tags: list[str] | None) -> None:
