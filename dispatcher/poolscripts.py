@@ -29,9 +29,11 @@ measured from it. An entry is *unclaimed* (never delivered), *claimed* by one co
 An entry whose owner has been idle longer than the reclaim bound (the owner died: a live
 one touches its entries) is claimed by whoever asks next and counted as *reclaimed*.
 
-The result rule: :data:`COMMIT` stores a result with ``SET NX``, so the first valid
-result of a request wins; a later one is dropped and counted (``duplicates``). Either
-way the entry is acknowledged and deleted, so the stream holds only pending requests.
+The result rule: :data:`COMMIT` stores a result only while the request is pending as
+that entry (``where``; ``SET NX`` besides), so the first valid result of a request wins
+and a later one is dropped and counted (``duplicates``), also once the first one's TTL
+has run out. Either way the entry is acknowledged and deleted, so the stream holds only
+pending requests.
 
 Every script validates what it needs before it writes anything (a script that fails
 half way keeps its first writes: Redis scripts do not roll back).
@@ -289,9 +291,11 @@ return {n, other}
 )
 
 #: ARGV: prefix, replica name, result TTL s, then (id, rev, entry id, payload) groups;
-#: payload starts with "d" (done) or "f" (failed). The first result of an id wins
-#: (SET NX); either way its entry is acknowledged and deleted. Returns 1 (stored) or 0
-#: (a result was there: dropped, counted as a duplicate) per id.
+#: payload starts with "d" (done) or "f" (failed). The first result of an id wins: it is
+#: stored only while the request is still pending as that entry (``where``), so a late
+#: result (a stale replica's, or one after the first result's TTL ran out) is never a
+#: second one; either way its entry is acknowledged and deleted. Returns 1 (stored) or 0
+#: (finished before: dropped, counted as a duplicate) per id.
 COMMIT = (
     _DRAINS
     + """
@@ -300,7 +304,10 @@ local out = {}
 for k = 4, #ARGV, 4 do
   local id, rev, eid, payload = ARGV[k], ARGV[k + 1], ARGV[k + 2], ARGV[k + 3]
   local q = p .. 'q:' .. rev
-  local stored = redis.call('SET', p .. 'res:' .. id, payload, 'NX', 'EX', ttl)
+  local stored = false
+  if redis.call('HGET', p .. 'where', id) == rev .. ' ' .. eid then
+    stored = redis.call('SET', p .. 'res:' .. id, payload, 'NX', 'EX', ttl)
+  end
   if stored then
     if redis.call('EXISTS', q) == 1 then
       local pend = redis.call('XPENDING', q, 'dispatch', eid, eid, 1)

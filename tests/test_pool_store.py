@@ -258,6 +258,27 @@ async def test_the_first_result_wins_and_a_second_is_a_counted_duplicate(
             assert b.counts() == {"pending": 0, "done": 1, "failed": 0}
 
 
+async def test_a_late_result_after_the_first_ones_ttl_is_still_a_duplicate(
+    redis: RedisServer,
+) -> None:
+    with trio.fail_after(20):
+        async with pool(redis, "a", "b", reclaim_idle=IDLE, result_ttl=1) as [a, b]:
+            [sid] = await enqueue(a, "r1", 1)
+            assert await a.claim("r1", 1) == 1
+            await trio.sleep(IDLE + 0.1)  # a is silent past the bound (wall clock)
+            assert await b.claim("r1", 1) == 1
+            assert await b.commit(done([sid], b'{"by":"b"}')) == [True]
+            key = f"slicer:pool:{{{POOL}}}:res:{sid}"
+            while redis.command("EXISTS", key):  # b's result expires (1 s TTL, wall clock)
+                await trio.sleep(0.05)
+            assert await a.commit(done([sid], b'{"by":"a"}')) == [False]  # stale: dropped
+            with pytest.raises(NotFound):
+                await a.lookup(sid)  # expired, and never stored a second time
+            s = await a.poll()
+            assert (s.stats.get("committed"), s.stats.get("duplicates")) == (1, 1)
+            assert s.served == {"b": 1}
+
+
 async def test_lookup_says_pending_done_failed_or_not_found(redis: RedisServer) -> None:
     with trio.fail_after(20):
         async with pool(redis, "a", "b") as [a, b]:
