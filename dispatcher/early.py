@@ -162,6 +162,7 @@ class EarlyStart:
         self.recovery.needed = True
         self.replica.forget()
         self.replica.awake, self.replica.kv_asleep, self.replica.dropped = False, False, True
+        self.replica.unknown = True  # read back first; a turn's end wakes it whole to sleep
 
     async def prepare(self, nbytes: int) -> None:
         """slicerd said ``EARLY`` (`nbytes` may be used): wake the weights and load the

@@ -270,7 +270,7 @@ class Replica:
         an error, a timeout) leaves it :attr:`unknown` (it may have acted, in part)."""
         try:
             return await self._json(method, path, timeout, **kw)
-        except ReplicaError:
+        except BaseException:  # cancelled too: the call may be going on inside vLLM
             self.unknown = True
             raise
 
@@ -289,9 +289,11 @@ class Replica:
         scheduling included, until :meth:`wake_kv_cache`."""
         try:
             data = await self._control("POST", "/wake_up", timeout, params={"tags": "weights"})
-        except ReplicaError:
+        except BaseException:
             # Weights copied back in part, or not at all: only a whole load proves them,
-            # and the next wake goes in the level-2 order (weights, load, KV cache).
+            # and the next wake goes in the level-2 order (weights, load, KV cache). The
+            # replica may be half-woken (weights without KV cache), which vLLM calls
+            # sleeping: :attr:`unknown` makes the turn's end wake it whole before its sleep.
             self.known_version, self.dropped = None, True
             raise
         status = data.get("status")
@@ -317,7 +319,7 @@ class Replica:
             reset = await self._control("POST", "/reset_prefix_cache", timeout)
             if reset.get("success") is False:
                 raise ReplicaError(f"POST {self.base_url}/reset_prefix_cache: not reset")
-        except ReplicaError:
+        except BaseException:  # cancelled too: the wake may be going on inside vLLM
             self.epoch += 1
             self.known_version = None
             self.dropped = True

@@ -79,16 +79,16 @@ class Faulted:
 
 
 @asynccontextmanager
-async def faulted(level: str, early: str) -> AsyncIterator[Faulted]:
+async def faulted(level: str, early: str, *more: str) -> AsyncIterator[Faulted]:
     """:class:`Faulted` with the launcher at ``--sleep-level level`` and the dispatcher
-    at ``--early-start early`` (no lazy sleep: every turn ends asleep); asserts zero
-    overlaps on the way out."""
+    at ``--early-start early`` (no lazy sleep: every turn ends asleep; ``more``: its
+    other flags); asserts zero overlaps on the way out."""
     async with (
         running_stack() as stack,
         launched(stack, "--sleep-level", level) as (lw, url),
         httpx.AsyncClient(base_url=url, timeout=10) as stub,
     ):
-        flags = ["--no-lazy-sleep", "--early-start", early, "--base-revision", ""]
+        flags = ["--no-lazy-sleep", "--early-start", early, "--base-revision", "", *more]
         async with (
             dispatcher(stack, url, *flags) as (d, http),
             spawn(stack, "trainer", trainer(stack, 100_000, 0.05)),
@@ -163,3 +163,37 @@ async def test_a_failed_wake_or_load_never_serves_other_weights_under_the_label(
             assert_real(got["the same words"]["result"], "the same words", want)
             if fault == "wake":
                 assert any("read the replica back after a failed call" in s for s in f.d.lines)
+
+
+@pytest.mark.parametrize("level", ["1", "2"])
+async def test_a_failed_weights_wake_leaves_no_weights_on_the_gpu(level: str) -> None:
+    # The dispatcher sleeps at level 2, so its next wake is the weights' alone; that wake
+    # acts and its answer is lost: vLLM is half-woken (the weights on the GPU, the KV
+    # cache not), which it calls sleeping. A /sleep then did nothing, the launcher's park
+    # too, the weights passed as parked (under parked_max) and the trainer ran beside them.
+    with trio.fail_after(120):
+        async with faulted(level, "off", "--sleep-level", "2") as f:
+            grants = lambda st: (workload(st, "trainer") or {}).get("grants", 0)  # noqa: E731
+            await f.publish("r1")
+            body = {"prompt": "the same words", "max_tokens": 4}
+            first = (await f.http.post("/v1/completions", json=body)).json()
+            assert versions(first) == {"r1"}, first
+            await f.stub.post("/_stub/fault", json={"fail_wake": 1})
+            mark, got = len(f.lw.lines), []
+
+            async def again() -> None:
+                got.append((await f.http.post("/v1/completions", json=body)).json())
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(again)
+                await f.lw.line(lambda s: FIRED["wake"] in s, mark)
+                await f.d.line(lambda s: "turn failed (" in s)  # logged once it was released
+                before = grants(await f.stack.status())
+                await f.stack.until(lambda st: grants(st) > before)  # the trainer ran again
+            # The sleep that ended the failed turn was one: vLLM slept the weights (a
+            # /sleep of a half-woken vLLM is "already sleeping", a no-op that left them).
+            fired = next(i for i, s in enumerate(f.lw.lines) if i >= mark and FIRED["wake"] in s)
+            slept = [s for s in f.lw.lines[fired:] if "slept level=" in s or "already sleep" in s]
+            assert "stub: slept level=2" in slept[0], f.lw.output()
+            assert versions(got[0]) == {"r1"} and text(got[0]) == text(first), got
+            assert any("woke the replica whole" in s for s in f.d.lines), f.d.output()

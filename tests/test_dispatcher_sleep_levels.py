@@ -332,6 +332,25 @@ async def test_replica_tracks_a_level_2_wake_and_a_failed_kv_wake_forces_a_load(
     ]
 
 
+async def test_a_cancelled_wake_leaves_the_replica_unknown_and_suspected_half_woken(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # A turn cut off (slicerd's connection lost) cancels a wake that may go on inside
+    # vLLM: nothing it was asked for may be believed, and the weights need a whole load.
+    async def route(request: httpx.Request) -> httpx.Response:
+        await trio.sleep(60)
+        return httpx.Response(200, json={"status": "sleeping"})
+
+    async with Replica("http://r", transport=httpx.MockTransport(route)) as r:
+        r.known_version = "r1"
+        for wake in (r.wake_weights, r.wake_kv_cache, r.wake):
+            r.unknown = False
+            with trio.move_on_after(1):
+                await wake()
+            assert r.unknown, wake
+        assert (r.known_version, r.dropped) == (None, True)
+
+
 @pytest.mark.integration
 async def test_a_level_2_wake_whose_work_expired_still_sleeps_the_weights() -> None:
     with trio.fail_after(60):
