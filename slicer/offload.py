@@ -192,14 +192,15 @@ def cooperative_turn(
     the model is offloaded; yields the turn; offloads; releases. The turn is released
     whatever happens in the body, the restore or the offload (the offload runs first so
     that slicerd's verification finds the GPU freed). `park="now"` (default) has slicerd
-    verify at once, so a failed offload surfaces at this release."""
-    t = slicer.acquire(name, wait)
-    try:
-        if t.restored or offloader.offloaded:
-            offloader.restore(device)
-        yield t
-    finally:
+    verify at once, so a failed offload surfaces at this release.
+
+    The turn is `Slicer.turn`'s: its release is bounded by `release_timeout` (past it the
+    connection is closed, which ends the turn), and an ACQUIRE that raises `Faulted` with
+    a granted turn releases that turn first."""
+    with slicer.turn(name, wait, park) as t:
         try:
-            offloader.offload()
+            if t.restored or offloader.offloaded:
+                offloader.restore(device)
+            yield t
         finally:
-            slicer.release(t, park)
+            offloader.offload()

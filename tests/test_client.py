@@ -13,7 +13,7 @@ import tempfile
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import trio
@@ -21,6 +21,7 @@ import trio.testing
 
 from gpu_slicer import proto
 from gpu_slicer.slicer.client import AsyncSlicer, ClientError, Faulted, Slicer, Turn, Unreachable
+from gpu_slicer.slicer.offload import Offloader, cooperative_turn
 from tests.harness import running_stack
 
 T = TypeVar("T")
@@ -444,6 +445,32 @@ def test_sync_turn_release_that_never_ends_closes_the_connection() -> None:
             with pytest.raises(Unreachable) as e, s.turn():
                 pass
             assert "RELEASE" in e.value.text
+            with pytest.raises(Unreachable):
+                s.ping()
+
+
+def test_cooperative_turn_release_that_never_ends_closes_the_connection() -> None:
+    calls: list[str] = []
+
+    class Model:  # what cooperative_turn asks of an Offloader
+        offloaded = False
+
+        def restore(self, device: object) -> None:
+            calls.append("restore")
+
+        def offload(self) -> None:
+            calls.append("offload")
+
+    with script_server([]) as (path, script):
+        script += [GRANT4, b"", b""]  # the RELEASE gets no answer; the socket stays open
+        with Slicer(path, "w", timeout=5) as s:
+            s.release_timeout = 0.05
+            with (
+                pytest.raises(Unreachable) as e,
+                cooperative_turn(s, cast(Offloader, Model()), "cpu"),
+            ):
+                pass
+            assert "RELEASE" in e.value.text and calls == ["offload"]  # offloaded first
             with pytest.raises(Unreachable):
                 s.ping()
 
