@@ -169,8 +169,17 @@ class Registration:
                 await conn.aclose()
 
     async def _park(self, conn: AsyncSlicer, ask: proto.ParkAsk) -> None:
-        """slicerd asks us to park the workload (its holder is gone): do it, answer."""
-        log.warning("slicerd asks to park %s (turn %d): its holder is gone", ask.workload, ask.turn)
+        """slicerd asks us to park the workload (nobody else can): do it, answer."""
+        # The PARK line carries no reason (a key would break older launchers' parsers):
+        # known here is only that slicerd needs the GPU back and found the workload on it.
+        # slicerd's log and WATCH `park-asked` name the reason.
+        log.warning(
+            "slicerd asks to park %s (turn %d): its turn has ended with it still on the GPU "
+            "(a lazy release that another workload waits behind, or a holder that closed "
+            "mid-turn: slicerd's log and `slicerctl watch` (park-asked) say which)",
+            ask.workload,
+            ask.turn,
+        )
         ok = False
         # slicerd waits this long for our answer; past it, it goes on without us.
         window = ask.timeout_ms / 1000 if ask.timeout_ms is not None else 60.0

@@ -75,13 +75,15 @@ class Restore:
 @dataclass(frozen=True, slots=True)
 class AskPark:
     """Send `PARK workload turn=T` to the registrant `conn` and, unless it answers first,
-    call `SlicerState.ask_expired(op)` after `timeout` seconds."""
+    call `SlicerState.ask_expired(op)` after `timeout` seconds. `why`: the reason, in
+    words, for the log (the PARK line carries none)."""
 
     op: int
     conn: ConnId
     workload: str
     turn: int
     timeout: float
+    why: str = ""
 
 
 @dataclass(frozen=True, slots=True)

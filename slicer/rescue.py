@@ -81,9 +81,13 @@ def residue(op: Op, now: float) -> list[Effect] | None:
 def _ask(op: Op, asker: ConnId, timeout: float, now: float, reason: str) -> list[Effect]:
     w = op.workload
     op.stage = ParkStage.ASK
+    if reason == "holder-closed":
+        why = "its holder closed its connection mid-turn"
+    else:  # its own park (or a lazy release) left it there
+        why = f"its turn ended with it still on the GPU ({reason})"
     return [
         event("park-asked", w, now, reason=reason, timeout_s=timeout),
-        AskPark(op.op_id, asker, w.name, w.last_turn, timeout),
+        AskPark(op.op_id, asker, w.name, w.last_turn, timeout, why),
     ]
 
 

@@ -513,7 +513,7 @@ class Server:
                 self._asks[e.op] = scope
                 nursery.start_soon(self._ask_timer, e, token, scope)
                 if (c := self.conns.get(e.conn)) is not None:
-                    log.info("asking the registrant of %s to park it", e.workload)
+                    log.info("asking the registrant of %s to park it: %s", e.workload, e.why)
                     ms = int(e.timeout * 1000)
                     c.send(proto.encode(proto.ParkAsk(e.workload, e.turn, ms)))
             case Recheck():

@@ -201,6 +201,12 @@ async def test_a_trainer_asking_gets_the_awake_replica_slept_by_its_launcher(lev
                 f"POST /sleep?level={level}&mode=abort 200"
             ]
             assert f"parked on slicerd's request: slept (level {level})" in lw.output()
+            # Both logs say why it was asked: its turn ended (lazily) with it on the GPU;
+            # its holder is alive.
+            assert "its turn has ended with it still on the GPU" in lw.output()
+            assert "holder is gone" not in lw.output()
+            said = "asking the registrant of v to park it: its turn ended with it still on"
+            assert stack.log is not None and said in stack.log.read_text()
             before = (await status(http))["counters"]
             smark = len(lw.lines)
             await one_request(d, http, "after the trainer")

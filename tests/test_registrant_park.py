@@ -115,6 +115,10 @@ async def test_dispatcher_killed_in_any_phase_the_launcher_parks_the_replica(pha
             assert v is not None and v["faults"] == 0 and v["state"] == "parked", v
             assert "parked on slicerd's request" in lw.output()
             assert "FAULT" not in lw.output()
+            # slicerd's log names why it asked (the holder closed mid-turn, or its turn
+            # ended with the replica still on the GPU, as when the sleep was held).
+            said = "asking the registrant of v to park it: its "
+            assert stack.log is not None and said in stack.log.read_text()
             assert {p.pid for p in lw.descendants()} == engine  # never restarted
             async with dispatcher(stack, url) as (d2, http2):
                 for sid in ids:
