@@ -48,7 +48,7 @@ log = logging.getLogger("dispatcher.pool")
 
 CALL_TIMEOUT_S = 5.0  # one script call or command, the network included
 CONNECT_TIMEOUT_S = 2.0
-_SCRIPTS = ("ENQUEUE", "CLAIM", "POLL", "RETURN", "TOUCH", "COMMIT", "LOOKUP",
+_SCRIPTS = ("ENQUEUE", "CLAIM", "POLL", "RETURN", "STRAYS", "TOUCH", "COMMIT", "LOOKUP",
             "EXPIRE_SCAN", "PUBLISH", "WANT", "HOLD", "UNWANT")  # fmt: skip
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "POLL",
     "PUBLISH",
     "RETURN",
+    "STRAYS",
     "TOUCH",
     "UNWANT",
     "WANT",
@@ -101,6 +102,16 @@ local function owner(q, eid)
   local e = redis.call('XPENDING', q, 'dispatch', eid, eid, 1)
   if #e == 0 then return nil end
   return e[1][2]
+end
+local function free(q, eid)  -- to the pseudo-consumer, claimable at once
+  redis.call('XCLAIM', q, 'dispatch', '__free__', 0, eid, 'IDLE', 100000000000, 'JUSTID')
+end
+local function returned(p, n)
+  if n > 0 then
+    redis.call('HINCRBY', p .. 'stats', 'returned', n)
+    redis.call('XADD', p .. 'ev', 'MAXLEN', '~', 1000, '*', 'e', 'ret')
+  end
+  return n
 end
 """
 
@@ -255,16 +266,37 @@ local p, me, n = ARGV[1], ARGV[2], 0
 for k = 3, #ARGV, 2 do
   local q = p .. 'q:' .. ARGV[k]
   if owner(q, ARGV[k + 1]) == me then
-    redis.call('XCLAIM', q, 'dispatch', '__free__', 0, ARGV[k + 1], 'IDLE', 100000000000,
-               'JUSTID')
+    free(q, ARGV[k + 1])
     n = n + 1
   end
 end
-if n > 0 then
-  redis.call('HINCRBY', p .. 'stats', 'returned', n)
-  redis.call('XADD', p .. 'ev', 'MAXLEN', '~', 1000, '*', 'e', 'ret')
+return returned(p, n)
+"""
+)
+
+#: ARGV: prefix, consumer, then pairs (rev, entry id) it holds. After a CLAIM whose
+#: answer was lost (Redis ran it, the caller timed out): hands back (as RETURN does)
+#: every entry of the consumer's that is not one it holds, across the active revisions,
+#: so that none waits for the reclaim bound. Returns how many went back.
+STRAYS = (
+    _DRAINS
+    + _LIB
+    + """
+local p, me, n = ARGV[1], ARGV[2], 0
+local held = {}
+for k = 3, #ARGV, 2 do held[ARGV[k] .. ' ' .. ARGV[k + 1]] = true end
+for _, rev in ipairs(redis.call('SMEMBERS', p .. 'active')) do
+  local q = p .. 'q:' .. rev
+  if redis.call('EXISTS', q) == 1 then
+    for _, e in ipairs(redis.call('XPENDING', q, 'dispatch', '-', '+', 100000, me)) do
+      if not held[rev .. ' ' .. e[1]] then
+        free(q, e[1])
+        n = n + 1
+      end
+    end
+  end
 end
-return n
+return returned(p, n)
 """
 )
 

@@ -86,6 +86,7 @@ class PoolStore(PendingView):
         self.claimed_entries = 0
         self.reclaimed = 0
         self.returned = 0
+        self._strays = False  # a CLAIM failed: Redis may hold claims of ours we do not
         self.duplicates = 0
         self.lost_claims = 0  # claims another replica took (we were silent too long)
         self.held_back = 0  # times the backlog was covered by others: no turn asked for
@@ -267,10 +268,19 @@ class PoolStore(PendingView):
         ``avoid`` (this replica's backed-off loads); returns how many."""
         if limit <= 0:
             return 0
-        rev, got, reclaimed, left = await self.conn.script(
-            "CLAIM", self.consumer, preferred or "", limit, int(self.reclaim_idle * 1000),
-            *avoid, *self.bad_revisions,
-        )  # fmt: skip
+        if self._strays:
+            await self._hand_back_strays()
+        try:
+            rev, got, reclaimed, left = await self.conn.script(
+                "CLAIM", self.consumer, preferred or "", limit, int(self.reclaim_idle * 1000),
+                *avoid, *self.bad_revisions,
+            )  # fmt: skip
+        except BaseException:
+            # Redis may have run it and the answer was lost: entries claimed there that
+            # this replica does not hold would wait for the reclaim bound. The next
+            # claim hands them back first.
+            self._strays = True
+            raise
         self.claims += 1
         self.claimable_hint = int(left)
         self.reclaimed += int(reclaimed)
@@ -308,6 +318,16 @@ class PoolStore(PendingView):
             await self._hand_back(unusable)
         self.claimed_entries += taken
         return taken
+
+    async def _hand_back_strays(self) -> None:
+        args: list[str] = []
+        for rev, eid in self._entry.values():
+            args += [rev, eid]
+        n = int(await self.conn.script("STRAYS", self.consumer, *args))
+        self._strays = False
+        if n:
+            self.returned += n
+            log.warning("pool %s: handed back %d claims whose answer was lost", self.pool, n)
 
     def _pending(self, revision: str, eid: str, flat: list[bytes]) -> Pending:
         f = dict(zip(flat[::2], flat[1::2], strict=True))

@@ -279,6 +279,31 @@ async def test_a_late_result_after_the_first_ones_ttl_is_still_a_duplicate(
             assert s.served == {"b": 1}
 
 
+async def test_claims_whose_answer_was_lost_are_handed_back_at_the_next_claim(
+    redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with trio.fail_after(20):
+        async with pool(redis, "a", "b", reclaim_idle=3600) as [a, b]:
+            await enqueue(a, "r1", 3)
+            run = a.conn.script
+
+            async def lost(name: str, *args: Any) -> Any:  # Redis runs it; the answer is lost
+                out = await run(name, *args)
+                if name == "CLAIM":
+                    monkeypatch.setattr(a.conn, "script", run)
+                    raise PoolUnavailable("pool pa: CLAIM: timed out")
+                return out
+
+            monkeypatch.setattr(a.conn, "script", lost)
+            with pytest.raises(PoolUnavailable):
+                await a.claim("r1", 2)
+            assert held(a) == [] and await b.claim("r1", 3) == 1  # two are a's in Redis
+            assert await a.claim("r1", 1) == 1  # hands the two back first, then claims
+            assert await b.claim("r1", 3) == 1  # the other: no wait for the reclaim bound
+            assert len(held(a)) == 1 and len(held(b)) == 2
+            assert (await stats(a)).get("returned") == 2
+
+
 async def test_lookup_says_pending_done_failed_or_not_found(redis: RedisServer) -> None:
     with trio.fail_after(20):
         async with pool(redis, "a", "b") as [a, b]:
