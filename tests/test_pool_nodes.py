@@ -111,31 +111,18 @@ def pool_names(pool: Pool) -> list[str]:
 
 async def test_a_backlog_no_one_replica_takes_wakes_each_for_its_share(tmp_path: Path) -> None:
     """Three requests, three replicas of one slot each (``--concurrency 1``), each request
-    longer than a turn's start (30 tokens at 10 a second: 3 s): every replica sees a
-    backlog of 3 against what the others cover (0, 1, 2), so all three ask for a turn
-    (each dispatcher enters ``acquiring``). Who serves how many is the grants' order: a
-    replica granted late (a loaded node) may find the work served by one that finished
-    its first request, so the split is not asserted, only that each one asked."""
+    longer than any grant takes (30 tokens at 10 a second: 3 s): every replica sees a
+    backlog of 3 against what the others cover (0, 1, 2), so all three ask, and each
+    serves one, whatever the order of the grants."""
     with trio.fail_after(60), RedisServer(tmp_path / "redis") as redis:
         dargs = ["--turn-seconds", "10", "--turn-grace", "2", "--concurrency", "1"]
         async with running_pool(3, redis, trainer_work=(0.05, 0.15, 0.4), dispatch_args=dargs,
                                 stub_args=("--tokens-per-s", "10")) as pool:  # fmt: skip
             fronts = pool.fronts
             await publish(fronts[0], "r1", pool.base)
-            asked: set[str] = set()
-            async with trio.open_nursery() as nursery:
-                for node in pool.nodes:
-
-                    def seen(ev: dict[str, Any], name: str = node.name) -> None:
-                        if ev["event"] == "phase" and ev["phase"] == "acquiring":
-                            asked.add(name)
-
-                    await nursery.start(follow_events, node.front, seen)
-                sent = await submit_many(fronts, 3, max_tokens=30)
-                check_results(sent, await results(fronts[1], [s.id for s in sent]))
-                nursery.cancel_scope.cancel()
-            assert asked == {n.name for n in pool.nodes}, asked
-            assert sum(pool.served().values()) == 3, pool.served()
+            sent = await submit_many(fronts, 3, max_tokens=30)
+            check_results(sent, await results(fronts[1], [s.id for s in sent]))
+            assert pool.served() == {"node0": 1, "node1": 1, "node2": 1}, pool.served()
             assert pool.stats()["duplicates"] == pool.stats()["reclaimed"] == 0
             pool.check_alive()
 
