@@ -162,7 +162,9 @@ class EarlyStart:
         self.recovery.needed = True
         self.replica.forget()
         self.replica.awake, self.replica.kv_asleep, self.replica.dropped = False, False, True
-        self.replica.unknown = True  # read back first; a turn's end wakes it whole to sleep
+        # Read back first; the stage may have woken the weights alone: a turn's end wakes
+        # it whole before its sleep.
+        self.replica.unknown = self.replica.half_woken = True
 
     async def prepare(self, nbytes: int) -> None:
         """slicerd said ``EARLY`` (`nbytes` may be used): wake the weights and load the

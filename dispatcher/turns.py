@@ -929,20 +929,21 @@ class TurnLoop:
                  time.monotonic() - t0)  # fmt: skip
 
     async def _wake_whole(self, n: int) -> None:
-        """Before the sleep of a turn in which a control call failed: wake the replica
-        whole (``POST /wake_up``, every tag; a no-op when it is awake). A failed wake may
-        have left it half-woken (the weights without their KV cache), which vLLM counts
-        as sleeping: a ``/sleep`` would then be a no-op that leaves the weights on the GPU,
-        under a parked-memory bound perhaps. Costs a wake only on that failure path; it
-        stays :attr:`Replica.unknown` (read back before the next turn sends anything)."""
+        """Before the sleep of a turn in which a wake failed or was cut off
+        (:attr:`Replica.half_woken`): wake the replica whole (``POST /wake_up``, every
+        tag; a no-op when it is awake). It may be half-woken (the weights without their KV
+        cache), which vLLM counts as sleeping: a ``/sleep`` would then be a no-op that
+        leaves the weights on the GPU, under a parked-memory bound perhaps. Costs a wake
+        only on that failure path; it stays :attr:`Replica.unknown` (read back before the
+        next turn sends anything)."""
         t0 = time.monotonic()
         try:
             await self.replica.wake(min(self.cfg.wake_timeout, self.cfg.sleep_timeout))
         except ReplicaError as e:
             log.error("turn %d: waking the replica whole before the sleep failed: %s", n, e)
             return
-        log.info("turn %d: woke the replica whole in %.3f s (a control call failed: so "
-                 "that the sleep frees everything)", n, time.monotonic() - t0)  # fmt: skip
+        log.info("turn %d: woke the replica whole in %.3f s (a wake failed: so that the "
+                 "sleep frees everything)", n, time.monotonic() - t0)  # fmt: skip
 
     def _lazy(self, cur: TurnState, reason: str) -> bool:
         """Whether this turn ends with a lazy release (vLLM left awake): ``--lazy-sleep``,
@@ -1032,7 +1033,7 @@ class TurnLoop:
         self._enter_ending(Phase.SLEEPING)
         t0 = time.monotonic()
         try:
-            if self.replica.unknown:
+            if self.replica.half_woken:
                 await self._wake_whole(n)
             elif self.replica.kv_asleep:
                 await self._finish_wake(n)

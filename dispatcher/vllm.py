@@ -141,6 +141,10 @@ class Replica:
         # A control call failed or timed out: what vLLM holds (asleep? which weights?) is
         # unknown until settle() read it back; nothing is sent before.
         self.unknown = False
+        # A wake failed or was cut off: the weights may be on the GPU without their KV
+        # cache, which vLLM calls sleeping (a /sleep then does nothing); until a whole
+        # wake or a sleep succeeds.
+        self.half_woken = False
         self._wire = (
             None if transport is not None
             else wire.Pool.from_url(
@@ -276,11 +280,15 @@ class Replica:
 
     async def wake(self, timeout: float = 300) -> None:
         """``POST /wake_up`` (all tags); raises unless the replica says it is awake."""
-        data = await self._control("POST", "/wake_up", timeout)
+        try:
+            data = await self._control("POST", "/wake_up", timeout)
+        except BaseException:
+            self.half_woken = True  # vLLM wakes the weights first, then the KV cache
+            raise
         if data.get("status", "awake") != "awake":
-            self.unknown = True
+            self.unknown = self.half_woken = True
             raise ReplicaError(f"POST {self.base_url}/wake_up: still {data.get('status')!r}")
-        self.kv_asleep = False
+        self.kv_asleep = self.half_woken = False
         self.awake = True
 
     async def wake_weights(self, timeout: float = 300) -> None:
@@ -293,8 +301,8 @@ class Replica:
             # Weights copied back in part, or not at all: only a whole load proves them,
             # and the next wake goes in the level-2 order (weights, load, KV cache). The
             # replica may be half-woken (weights without KV cache), which vLLM calls
-            # sleeping: :attr:`unknown` makes the turn's end wake it whole before its sleep.
-            self.known_version, self.dropped = None, True
+            # sleeping: :attr:`half_woken` makes the turn's end wake it whole to sleep it.
+            self.known_version, self.dropped, self.half_woken = None, True, True
             raise
         status = data.get("status")
         if status not in ("sleeping", "awake"):
@@ -323,7 +331,7 @@ class Replica:
             self.epoch += 1
             self.known_version = None
             self.dropped = True
-            self.unknown = True
+            self.unknown = self.half_woken = True
             raise
 
     async def sleep(self, level: int = 1, mode: str = "abort", timeout: float = 300) -> None:
@@ -342,7 +350,7 @@ class Replica:
         if level == 2:
             self.known_version = None  # level 2 drops the weights
             self.dropped = True
-        self.kv_asleep = False
+        self.kv_asleep = self.half_woken = False
 
     async def is_sleeping(self, timeout: float = CONTROL_TIMEOUT_S) -> bool:
         """``GET /is_sleeping`` (also true while paused)."""
