@@ -10,6 +10,7 @@ documented import, and the other two packages' own imports. Needs the package re
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -34,9 +35,20 @@ def _run(argv: list[str], cwd: Path, timeout: float = 240) -> subprocess.Complet
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Built from a private copy of what the wheel is made of: setuptools writes build/ and
+    # gpu_slicer.egg-info/ into the tree it builds, and parallel workers (each builds its own:
+    # the fixture is per worker) building from the checkout itself emptied each other's
+    # build/lib mid-build (a wheel without gpu_slicer). The copy follows the package's
+    # symlinks, as the build does.
+    src = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    shutil.copytree(
+        ROOT / "gpu_slicer", src / "gpu_slicer", ignore=shutil.ignore_patterns("__pycache__")
+    )
     out = tmp_path_factory.mktemp("wheel")
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    r = _run([*build, "-w", str(out), str(ROOT)], cwd=out)
+    r = _run([*build, "-w", str(out), str(src)], cwd=out)
     assert r.returncode == 0, r.stdout + r.stderr
     (whl,) = out.glob("gpu_slicer-*.whl")
     return whl
