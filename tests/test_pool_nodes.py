@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from gpu_slicer.dispatcher.events import follow_events
 from gpu_slicer.dispatcher.poolscripts import prefix
 from stubs.poolnodes import (
     DISPATCHER,
+    TRAINER,
     Node,
     Pool,
     Sample,
@@ -110,21 +112,66 @@ def pool_names(pool: Pool) -> list[str]:
 
 
 async def test_a_backlog_no_one_replica_takes_wakes_each_for_its_share(tmp_path: Path) -> None:
-    """Three requests, three replicas of one slot each (``--concurrency 1``), each request
-    longer than any grant takes (30 tokens at 10 a second: 3 s): every replica sees a
-    backlog of 3 against what the others cover (0, 1, 2), so all three ask, and each
-    serves one, whatever the order of the grants."""
+    """Three requests, three replicas of one slot each (``--concurrency 1``): every replica
+    sees a backlog of 3 against what the others cover (0, 1, 2, in whatever order they
+    look), so all three ask for a turn (each dispatcher enters ``acquiring``).
+
+    That holds only while no replica has claimed any of it: a replica granted at once
+    claims one, and a replica that looks after that sees 2 against the 2 that the other
+    two cover, and rightly stays asleep. So each trainer is stopped (SIGSTOP) inside its
+    turn before the requests are sent, which holds every grant back until all three have
+    asked; then they train on. Who serves how many after that is the grants' order (a
+    replica granted late may find the work served by one that finished its first
+    request), so only the total is asserted, with every result once."""
     with trio.fail_after(60), RedisServer(tmp_path / "redis") as redis:
         dargs = ["--turn-seconds", "10", "--turn-grace", "2", "--concurrency", "1"]
         async with running_pool(3, redis, trainer_work=(0.05, 0.15, 0.4), dispatch_args=dargs,
                                 stub_args=("--tokens-per-s", "10")) as pool:  # fmt: skip
             fronts = pool.fronts
             await publish(fronts[0], "r1", pool.base)
-            sent = await submit_many(fronts, 3, max_tokens=30)
+            asked: set[str] = set()
+            all_asked = trio.Event()
+            stopped = []
+            try:
+                async with trio.open_nursery() as nursery:
+                    for node in pool.nodes:
+
+                        def seen(ev: dict[str, Any], name: str = node.name) -> None:
+                            if ev.get("event") == "phase" and ev.get("phase") == "acquiring":
+                                asked.add(name)
+                                if len(asked) == len(pool.nodes):
+                                    all_asked.set()
+
+                        await nursery.start(follow_events, node.front, seen)
+                        stopped.append(await stop_trainer_in_its_turn(node))
+                    sent = await submit_many(fronts, 3, max_tokens=30)
+                    await all_asked.wait()
+                    nursery.cancel_scope.cancel()
+            finally:
+                for proc in stopped:
+                    proc.send_signal(signal.SIGCONT)
             check_results(sent, await results(fronts[1], [s.id for s in sent]))
-            assert pool.served() == {"node0": 1, "node1": 1, "node2": 1}, pool.served()
+            assert sum(pool.served().values()) == 3, pool.served()
             assert pool.stats()["duplicates"] == pool.stats()["reclaimed"] == 0
             pool.check_alive()
+
+
+def trainer_holds(st: dict[str, Any]) -> bool:
+    """The node's trainer holds its GPU's turn (not only on it after a lazy release)."""
+    return (st["gpus"][0]["holder"] or {}).get("workload") == TRAINER
+
+
+async def stop_trainer_in_its_turn(node: Node) -> subprocess.Popen[bytes]:
+    """SIGSTOP `node`'s trainer while it holds its turn, so that no one else is granted
+    until it is let go (SIGCONT): checked from slicerd's STATUS once it is stopped (it
+    may have released between the check before and the signal); its process."""
+    proc = node.stack.procs[TRAINER]
+    while True:
+        await node.stack.until(trainer_holds)
+        proc.send_signal(signal.SIGSTOP)
+        if trainer_holds(await node.stack.status()):
+            return proc
+        proc.send_signal(signal.SIGCONT)  # between two turns: stop it inside the next
 
 
 def trainer_after_park(st: dict[str, Any]) -> bool:
