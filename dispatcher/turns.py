@@ -676,11 +676,14 @@ class TurnLoop:
             failed: list[Exception] = []
             try:
                 await self._one_turn()
-            except* (ClientError, DispatchError) as group:
+            except* (ClientError, DispatchError, proto.ProtocolError) as group:
                 # A failure inside the turn's nurseries (wake, load, a send) arrives
                 # wrapped in an ExceptionGroup; anything else (cancellation, a bug)
-                # propagates.
+                # propagates. A line from slicerd that broke the protocol failed the
+                # connection's session: that connection is done, this loop is not.
                 failed = _leaves(group)
+                if any(isinstance(x, proto.ProtocolError) for x in failed):
+                    await self._drop_connection()
             if not failed:
                 backoff = BACKOFF_MIN_S
                 continue
@@ -780,7 +783,7 @@ class TurnLoop:
             await self.early.prepare(told[0])
             done.set()
 
-        failure: ClientError | None = None
+        failure: ClientError | proto.ProtocolError | None = None
         turn: Turn | None = None
         slicer.on_event = on_event
         try:
@@ -788,7 +791,7 @@ class TurnLoop:
                 nursery.start_soon(early_stage)
                 try:
                     turn = await slicer.acquire(self.cfg.workload, wait=wait, early=nbytes)
-                except ClientError as e:
+                except (ClientError, proto.ProtocolError) as e:
                     failure = e
                     if go.is_set() and not done.is_set():
                         self.early.interrupted()
@@ -797,7 +800,8 @@ class TurnLoop:
         finally:
             slicer.on_event = None
         if failure is not None:
-            self.early.refused(failure)
+            if isinstance(failure, ClientError):
+                self.early.refused(failure)
             raise failure
         assert turn is not None
         return turn
@@ -992,7 +996,7 @@ class TurnLoop:
                     await slicer.release(cur.turn, used=cur.worked)
                 log.info("turn %d: released (%s)", n, reason)
                 released = None
-            except (ClientError, trio.TooSlowError) as e:
+            except (ClientError, proto.ProtocolError, trio.TooSlowError) as e:
                 log.error("turn %d: RELEASE failed (%s); dropping the connection", n, e)
                 released = f"RELEASE failed: {e}"
                 await self._drop_connection()

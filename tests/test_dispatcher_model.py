@@ -129,6 +129,14 @@ class FakeSlicer:
         pass
 
 
+def store_and_r1(tmp_path: Path) -> tuple[Store, Path]:
+    """A dispatcher store under ``tmp_path`` and a checkpoint directory for revision r1."""
+    ckpt = tmp_path / "ckpt" / "r1"
+    ckpt.mkdir(parents=True)
+    (ckpt / "revision.txt").write_text("r1")
+    return Store(tmp_path / "state", "pool-a"), ckpt
+
+
 # Each change the end of a turn takes (a turn served to its end goes from serving).
 WAY_OUT = [
     (Phase.SERVING, Phase.SLEEPING), (Phase.SLEEPING, Phase.RELEASING),
@@ -149,10 +157,7 @@ async def test_a_table_miss_at_a_turns_end_still_sleeps_releases_and_the_loop_li
     serves the next turn."""
     monkeypatch.setitem(TRANSITIONS, old, TRANSITIONS[old] - {new})
     fake, slicer = FakeVllm(), FakeSlicer()
-    store = Store(tmp_path / "state", "pool-a")
-    ckpt = tmp_path / "ckpt" / "r1"
-    ckpt.mkdir(parents=True)
-    (ckpt / "revision.txt").write_text("r1")
+    store, ckpt = store_and_r1(tmp_path)
     got: list[dict[str, Any]] = []
     try:
         async with Replica("http://vllm", transport=httpx.MockTransport(fake)) as r:
