@@ -7,18 +7,23 @@ SIGTERM to the group, SIGKILL to the group after the grace, then a sweep of what
 the group (or of the descendants seen while the leader lived) is still there. vLLM
 ignores SIGTERM while its engine starts, so the SIGKILL step is not optional.
 
-No `PR_SET_PDEATHSIG`: trio forks from a worker thread, and the kernel sends the death
-signal when that *thread* exits (it idles out after seconds), not the launcher. A
-SIGKILLed launcher is covered by the daemon instead (the registration ends; a resident
-workload is parked or, failing that, killed after `fault_kill_after`) and by the unit's
-`KillMode=control-group` under systemd.
+The child dies with the launcher: it is started with `PR_SET_PDEATHSIG` = SIGKILL. The
+kernel sends that signal when the *thread* that forked it exits, so it is forked from
+the launcher's main thread (trio's own `open_process` forks from a worker thread, which
+idles out after seconds) and waited on through a pidfd. What the child started itself
+is not covered by the signal: vLLM's engine core watches its parent and exits with it;
+anything else is the daemon's (it remembers the processes it saw in the workload's tree
+and kills the survivors of a dead registrant after `fault_kill_after`) and, under
+systemd, the unit's `KillMode=control-group`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
+import subprocess
 from collections.abc import Mapping, Sequence
 
 import psutil
@@ -28,6 +33,9 @@ from gpu_slicer.launcher.config import log
 
 SWEEP_POLL = 0.05  # seconds between looks at processes that are not our children
 KILL_WAIT = 10.0  # bound on the wait after SIGKILL (the kernel needs no more)
+PR_SET_PDEATHSIG = 1
+# Looked up before any fork: the child, between fork and exec, only calls it.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
 def exit_code(returncode: int) -> int:
@@ -47,10 +55,46 @@ def group_members(pgid: int) -> set[int]:
     return out
 
 
+def _die_with_launcher(launcher: int) -> None:
+    # In the child, before exec: SIGKILL when the launcher dies; and if it died already
+    # (between the fork and here), the signal will never come: exit now.
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != launcher:
+        os._exit(127)
+
+
+class Started:
+    """A process started by `Child.start`: its pid, exit status and an async wait."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status (negative: killed by that signal), None while it runs."""
+        return self._popen.poll()
+
+    async def wait(self) -> int:
+        """Wait until it exits (each call with a pidfd of its own); its exit status."""
+        while (rc := self._popen.poll()) is None:
+            try:
+                fd = os.pidfd_open(self.pid)
+            except OSError:  # no pidfd on this kernel (before 5.3): look again shortly
+                await trio.sleep(SWEEP_POLL)
+                continue
+            try:
+                if self._popen.poll() is None:
+                    await trio.lowlevel.wait_readable(fd)
+            finally:
+                os.close(fd)
+        return rc
+
+
 class Child:
     """One running command in its own process group."""
 
-    def __init__(self, proc: trio.Process) -> None:
+    def __init__(self, proc: Started) -> None:
         self.proc = proc
         self.pid: int = proc.pid
         self.pgid: int = proc.pid
@@ -58,8 +102,19 @@ class Child:
 
     @classmethod
     async def start(cls, argv: Sequence[str], env: Mapping[str, str]) -> Child:
-        """Start `argv` as a new session (process group leader) with `env`."""
-        proc = await trio.lowlevel.open_process(list(argv), env=dict(env), start_new_session=True)
+        """Start `argv` as a new session (process group leader) with `env`, to be killed by
+        the kernel if the launcher dies (module docstring)."""
+        await trio.lowlevel.checkpoint()
+        launcher = os.getpid()
+        # Forked here, on the main thread, and not from a worker thread: the death
+        # signal follows the thread that forks. The fork and exec take milliseconds.
+        popen = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            start_new_session=True,
+            preexec_fn=lambda: _die_with_launcher(launcher),
+        )
+        proc = Started(popen)
         log.info("started pid %d: %s", proc.pid, " ".join(argv))
         return cls(proc)
 
