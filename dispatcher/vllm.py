@@ -47,7 +47,6 @@ anything else (level 2, an unreadable state) counts as :attr:`dropped`.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import httpx
@@ -55,6 +54,7 @@ import trio
 
 from gpu_slicer.dispatcher import wire
 from gpu_slicer.dispatcher.errors import ReplicaError
+from gpu_slicer.proto.vllm_metrics import parse_sleep_state
 
 __all__ = ["CONTROL_TIMEOUT_S", "MAX_IDLE_CONNECTIONS", "Replica", "parse_sleep_state"]
 
@@ -65,7 +65,6 @@ CONTROL_TIMEOUT_S = 30.0
 MAX_IDLE_CONNECTIONS = 32
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 _SLEEP_MODES = ("abort", "wait", "keep")
-_SLEEP_STATE = re.compile(r'sleep_state="([a-z_]+)"[^}]*\}\s+(\S+)')
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -86,31 +85,6 @@ def _error_text(raw: bytes, reason: str) -> str:
         if "detail" in data:
             return _clean(str(data["detail"])[:500])
     return json.dumps(data)[:500]
-
-
-def parse_sleep_state(text: str) -> str | None:
-    """The ``sleep_state`` label whose ``vllm:engine_sleep_state`` sample is 1 in a
-    Prometheus text (``awake``, ``weights_offloaded``, ``discard_all``); ``"paused"`` when
-    every sample is 0 (a pause, or a level-0 sleep: memory untouched); None when the
-    metric is missing or says two things at once. Matched by name and label, never by
-    the whole line (other labels, such as ``engine`` and ``model_name``, vary)."""
-    states: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:engine_sleep_state{"):
-            continue
-        m = _SLEEP_STATE.search(line)
-        if m is None:
-            continue
-        try:
-            states[m[1]] = float(m[2])
-        except ValueError:
-            return None
-    if not states:
-        return None
-    on = [k for k, v in states.items() if v == 1.0]
-    if len(on) > 1:
-        return None
-    return on[0] if on else "paused"
 
 
 def _clean(text: str) -> str:

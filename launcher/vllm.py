@@ -38,6 +38,7 @@ import trio
 from gpu_slicer.launcher.child import Child
 from gpu_slicer.launcher.config import Exit, VllmConfig, log
 from gpu_slicer.launcher.supervise import BootFailed, Profile, Supervisor
+from gpu_slicer.proto.vllm_metrics import parse_sleep_state
 from gpu_slicer.slicer.client import AsyncSlicer, ClientError, Turn, Unreachable
 from gpu_slicer.slicer.notify import sd_notify
 
@@ -221,12 +222,26 @@ class VllmProfile(Profile):
         log.info("slept (level %d)", level)
 
     async def park(self, timeout: float) -> bool:
-        """slicerd asks to park the replica (its dispatcher died mid-turn): sleep it
-        (`mode=abort`: whatever the dead dispatcher left running is cut off) and check
-        it is asleep. slicerd then verifies, through the GPU backend, on its own."""
+        """slicerd asks to park the replica (its dispatcher died mid-turn, or a lazy
+        release that another workload waits behind): sleep it (`mode=abort`: whatever
+        the dead dispatcher left running is cut off) and check it is asleep. A replica
+        that already says it sleeps is woken whole first (it may be half-woken) and is
+        never slept deeper than it was. slicerd then verifies, through the GPU backend,
+        on its own."""
         level = self.cfg.sleep_level
         try:
             async with httpx.AsyncClient(base_url=self.url, timeout=CALL_TIMEOUT) as http:
+                found = await self._sleep_state(http, min(5.0, timeout / 4))
+                was_asleep = await self._whole(http, timeout)
+                if was_asleep is None:
+                    return False
+                if was_asleep and found != "discard_all" and level > 1:
+                    # Its dispatcher may have slept it at level 1 and still believe the
+                    # weights are in host memory: a level 2 here would discard them
+                    # behind its back. An unreadable state (no metric) is no proof.
+                    log.info("park: found asleep (sleep state %s): sleeping it at level 1 "
+                             "again, not deeper", found)  # fmt: skip
+                    level = 1
                 r = await http.post(
                     f"/sleep?level={level}&mode=abort",
                     timeout=min(self.cfg.sleep_timeout, timeout),
@@ -243,6 +258,36 @@ class VllmProfile(Profile):
             log.error("park: not asleep after /sleep")
             return False
         log.info("parked on slicerd's request: slept (level %d)", level)
+        return True
+
+    async def _sleep_state(self, http: httpx.AsyncClient, timeout: float) -> str | None:
+        """What ``GET /metrics`` says of vLLM's sleep (``awake``, ``weights_offloaded``,
+        ``discard_all``, ``paused``), or None when it cannot be read within ``timeout``
+        (a read only: any failure is None)."""
+        try:
+            r = await http.get("/metrics", timeout=timeout)
+        except httpx.HTTPError as e:
+            log.debug("park: GET /metrics: %r", e)
+            return None
+        return parse_sleep_state(r.text) if r.status_code == 200 else None
+
+    async def _whole(self, http: httpx.AsyncClient, timeout: float) -> bool | None:
+        """Before a park's /sleep: whether the replica said it was sleeping, having woken
+        it whole if so; None when that wake failed.
+
+        A half-woken replica (weights woken, KV cache not: its holder died between the two
+        wakes) says it is sleeping, so a /sleep would do nothing and leave the weights on
+        the GPU, perhaps under `parked_max`. slicerd holds the GPU for this park (nobody
+        else runs), so a whole wake is safe, and the sleep after it frees everything."""
+        r = await http.get("/is_sleeping")
+        if r.status_code != 200 or r.json().get("is_sleeping") is not True:
+            return False  # awake: the sleep frees what is there
+        log.warning("park: the replica says it is sleeping, which a half-woken one (weights "
+                    "without KV cache) also says: waking it fully, then sleeping it")  # fmt: skip
+        r = await http.post("/wake_up", timeout=min(self.cfg.sleep_timeout, timeout))
+        if r.status_code != 200:
+            log.error("park: POST /wake_up: %d %s", r.status_code, r.text[:300])
+            return None
         return True
 
     async def _release(self) -> None:
