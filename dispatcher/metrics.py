@@ -19,7 +19,8 @@ exports the same pool-wide values: aggregate them with ``max``, not ``sum``):
 ``pool_reclaimable{revision}``, ``pool_oldest_pending_seconds{revision}``,
 ``pool_claimed{consumer}`` (``__free__``: handed back), ``pool_redis_up`` (gauges); the
 counters ``pool_committed_total``, ``pool_failed_total``, ``pool_duplicates_total``,
-``pool_reclaimed_total``, ``pool_returned_total``, ``pool_served_total{replica}``; and this
+``pool_reclaimed_total``, ``pool_returned_total``, ``pool_aside_total`` (requests put aside
+unread: no replica could read them), ``pool_served_total{replica}``; and this
 replica's own: ``pool_claimed_here`` (gauge), ``pool_claims_here_total``,
 ``pool_reclaimed_here_total``, ``pool_returned_here_total``, ``pool_duplicates_here_total``,
 ``pool_lost_claims_total``.
@@ -155,6 +156,7 @@ _POOL_STATS = (
     ("duplicates", "The pool's results dropped: a result was there already."),
     ("reclaimed", "The pool's claims taken over after the reclaim bound."),
     ("returned", "The pool's claims handed back unfinished."),
+    ("aside", "The pool's requests put aside unread (failed: no replica could read them)."),
 )
 _HERE = (
     ("claimed_entries", "pool_claims_here_total", "Requests this replica claimed."),

@@ -20,7 +20,8 @@ The password, if Redis needs one and the URL holds none: ``--queue-password-file
   gone: the dispatcher stopped or cannot reach Redis);
 * consumers holding claims with no live report (a dispatcher that died or was
   restarted: its claims are reclaimed after the bound);
-* ``committed``, ``failed``, ``duplicates``, ``reclaimed``, ``returned``.
+* ``committed``, ``failed``, ``duplicates``, ``reclaimed``, ``returned``, ``aside`` (requests
+  put aside unread: failed, kept in the pool's ``aside`` stream).
 
 Without ``--pool`` it lists the pools found in that Redis (``SCAN`` for their keys).
 ``--reclaim-idle`` is the bound ``reclaimable`` is counted with (default: the largest a
@@ -68,7 +69,7 @@ from gpu_slicer.slicer.exits import (
 __all__ = ["main", "pool_names", "pool_status"]
 
 PROG = "slicer-pool"
-STATS = ("committed", "failed", "duplicates", "reclaimed", "returned")
+STATS = ("committed", "failed", "duplicates", "reclaimed", "returned", "aside")
 _cfg = TurnConfig(workload="-")
 # The dispatcher's default --reclaim-idle with its default flags (dispatcher/main.py).
 DEFAULT_RECLAIM_IDLE_S = (

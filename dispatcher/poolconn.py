@@ -49,7 +49,7 @@ log = logging.getLogger("dispatcher.pool")
 CALL_TIMEOUT_S = 5.0  # one script call or command, the network included
 CONNECT_TIMEOUT_S = 2.0
 _SCRIPTS = ("ENQUEUE", "CLAIM", "POLL", "RETURN", "STRAYS", "TOUCH", "COMMIT", "LOOKUP",
-            "EXPIRE_SCAN", "PUBLISH", "WANT", "HOLD", "UNWANT")  # fmt: skip
+            "EXPIRE_SCAN", "PUBLISH", "WANT", "HOLD", "UNWANT", "UNREADABLE")  # fmt: skip
 
 
 def _b(v: str | bytes) -> bytes:

@@ -397,6 +397,7 @@ class PoolLink:
             "claimed_entries": s.claimed_entries,
             "reclaimed_here": s.reclaimed,
             "returned_here": s.returned,
+            "put_aside_here": s.put_aside,
             "duplicates_here": s.duplicates,
             "lost_claims": s.lost_claims,
             "held_back": s.held_back,

@@ -13,7 +13,10 @@ Cluster)::
     res:ID          string the result: b"d" REV "\\n" body, or b"f" REV "\\n" error (TTL)
     done            stream ids of results just stored (capped): wakes the long-polls
     ev              stream "new" / "ret" / "rev" (capped): wakes idle dispatchers
-    stats           hash   committed, failed, duplicates, reclaimed, returned
+    stats           hash   committed, failed, duplicates, reclaimed, returned, aside
+    unread          hash   "REV ENTRY_ID" -> times an entry was read and found unreadable
+    aside           stream entries put aside unread (capped): ``rev``, ``eid``, ``why``
+                           and the entry's own fields as ``f.NAME``, for an operator
     asking          hash   consumer -> "CAP EXPIRES_MS SINCE_MS GRANTED": who asks for a
                            turn (or holds one) to serve how much of the backlog
     served          hash   replica -> results it committed
@@ -28,6 +31,10 @@ measured from it. An entry is *unclaimed* (never delivered), *claimed* by one co
 ``__free__`` with an idle time set far in the past, so the next claim takes it at once).
 An entry whose owner has been idle longer than the reclaim bound (the owner died: a live
 one touches its entries) is claimed by whoever asks next and counted as *reclaimed*.
+
+An entry this release cannot read (another release's, a hand edit) is handed back for a
+replica that can, at most ``UNREADABLE_READS - 1`` times; the next reading puts it aside
+(:data:`UNREADABLE`): failed under its id where it has one, kept in ``aside``.
 
 The result rule: :data:`COMMIT` stores a result only while the request is pending as
 that entry (``where``; ``SET NX`` besides), so the first valid result of a request wins
@@ -55,6 +62,8 @@ __all__ = [
     "RETURN",
     "STRAYS",
     "TOUCH",
+    "UNREADABLE",
+    "UNREADABLE_READS",
     "UNWANT",
     "WANT",
     "prefix",
@@ -105,6 +114,19 @@ local function owner(q, eid)
 end
 local function free(q, eid)  -- to the pseudo-consumer, claimable at once
   redis.call('XCLAIM', q, 'dispatch', '__free__', 0, eid, 'IDLE', 100000000000, 'JUSTID')
+end
+local function drop(p, q, rev, eid)  -- acknowledged and deleted; an empty stream goes
+  if redis.call('EXISTS', q) == 0 then return end
+  redis.call('XACK', q, 'dispatch', eid)
+  redis.call('XDEL', q, eid)
+  -- Nothing pending any more: drop the stream (its group and consumers with it), so the
+  -- cost of every scan stays with the revisions that have work. ENQUEUE makes it anew
+  -- when the revision gets a request again.
+  if redis.call('XLEN', q) == 0 and redis.call('XPENDING', q, 'dispatch')[1] == 0 then
+    redis.call('DEL', q)
+    redis.call('SREM', p .. 'active', rev)
+    redis.call('HDEL', p .. 'unclaimed', rev)
+  end
 end
 local function returned(p, n)
   if n > 0 then
@@ -330,6 +352,7 @@ return {n, other}
 #: (finished before: dropped, counted as a duplicate) per id.
 COMMIT = (
     _DRAINS
+    + _LIB
     + """
 local p, who, ttl = ARGV[1], ARGV[2], ARGV[3]
 local out = {}
@@ -348,6 +371,7 @@ for k = 4, #ARGV, 4 do
       end
     end
     redis.call('HDEL', p .. 'where', id)
+    redis.call('HDEL', p .. 'unread', rev .. ' ' .. eid)  -- read by another release
     redis.call('XADD', p .. 'done', 'MAXLEN', '~', 10000, '*', 'i', id)
     if string.sub(payload, 1, 1) == 'd' then
       redis.call('HINCRBY', p .. 'stats', 'committed', 1)
@@ -360,20 +384,59 @@ for k = 4, #ARGV, 4 do
     redis.call('HINCRBY', p .. 'stats', 'duplicates', 1)
     out[#out + 1] = 0
   end
-  if redis.call('EXISTS', q) == 1 then
-    redis.call('XACK', q, 'dispatch', eid)
-    redis.call('XDEL', q, eid)
-    -- Nothing pending any more: drop the stream (its group and consumers with it), so
-    -- the cost of every scan stays with the revisions that have work. ENQUEUE makes it
-    -- anew when the revision gets a request again.
-    if redis.call('XLEN', q) == 0 and redis.call('XPENDING', q, 'dispatch')[1] == 0 then
-      redis.call('DEL', q)
-      redis.call('SREM', p .. 'active', rev)
-      redis.call('HDEL', p .. 'unclaimed', rev)
+  drop(p, q, rev, eid)
+end
+return out
+"""
+)
+
+#: How many readings of an unreadable entry there are at most: the last puts it aside.
+UNREADABLE_READS = 3
+
+#: ARGV: prefix, consumer, reads, result TTL s, then (rev, entry id, id or "", error)
+#: groups: entries the consumer claimed and could not read. Each reading is counted
+#: (``unread``); below ``reads`` the entry is handed back (as RETURN does) for a replica
+#: that can read it; at ``reads`` it is put aside: copied to ``aside`` with ``error``,
+#: failed under its id with that error (where the id is known and still pending as this
+#: entry), counted (``aside``), acknowledged and deleted. Returns {handed back, put aside}.
+UNREADABLE = (
+    _DRAINS
+    + _LIB
+    + """
+local p, me, reads, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local back, aside = 0, 0
+for k = 5, #ARGV, 4 do
+  local rev, eid, id, why = ARGV[k], ARGV[k + 1], ARGV[k + 2], ARGV[k + 3]
+  local q, key = p .. 'q:' .. rev, rev .. ' ' .. eid
+  if owner(q, eid) == me then
+    if redis.call('HINCRBY', p .. 'unread', key, 1) < reads then
+      free(q, eid)
+      back = back + 1
+    else
+      local copy = {'rev', rev, 'eid', eid, 'why', why}
+      for _, e in ipairs(redis.call('XRANGE', q, eid, eid)) do
+        for j = 1, #e[2], 2 do
+          copy[#copy + 1] = 'f.' .. e[2][j]
+          copy[#copy + 1] = e[2][j + 1]
+        end
+      end
+      redis.call('XADD', p .. 'aside', 'MAXLEN', '~', 1000, '*', unpack(copy))
+      if id ~= '' and redis.call('HGET', p .. 'where', id) == key then
+        if redis.call('SET', p .. 'res:' .. id, 'f' .. rev .. '\\n' .. why, 'NX', 'EX', ttl) then
+          redis.call('XADD', p .. 'done', 'MAXLEN', '~', 10000, '*', 'i', id)
+          redis.call('HINCRBY', p .. 'stats', 'failed', 1)
+        end
+        redis.call('HDEL', p .. 'where', id)
+      end
+      redis.call('HINCRBY', p .. 'stats', 'aside', 1)
+      redis.call('HDEL', p .. 'unread', key)
+      drop(p, q, rev, eid)
+      aside = aside + 1
     end
   end
 end
-return out
+returned(p, back)
+return {back, aside}
 """
 )
 
@@ -402,7 +465,8 @@ return out
 #: ARGV: prefix, max entries scanned per revision. Read only. Returns {now ms (Redis'
 #: clock: the caller learns its offset from it), {{id,
 #: rev, entry id, deadline s}, ...}} for the entries past their deadline (entry time +
-#: ``d``) among the oldest of each revision's stream.
+#: ``d``) among the oldest of each revision's stream, and for those whose deadline is
+#: unreadable (not a finite number >= 0; missing) at once, with the field as it is ("").
 EXPIRE_SCAN = """
 local p, scan = ARGV[1], tonumber(ARGV[2])
 local t = redis.call('TIME')
@@ -412,12 +476,14 @@ for _, rev in ipairs(redis.call('SMEMBERS', p .. 'active')) do
   local q = p .. 'q:' .. rev
   for _, e in ipairs(redis.call('XRANGE', q, '-', '+', 'COUNT', scan)) do
     local ms = tonumber(string.match(e[1], '^(%d+)-'))
-    local id, dl = nil, nil
+    local id, raw = nil, ''
     for j = 1, #e[2], 2 do
       if e[2][j] == 'i' then id = e[2][j + 1] end
-      if e[2][j] == 'd' then dl = tonumber(e[2][j + 1]) end
+      if e[2][j] == 'd' then raw = e[2][j + 1] end
     end
-    if id and dl and ms + dl * 1000 <= now then due[#due + 1] = {id, rev, e[1], tostring(dl)} end
+    local dl = tonumber(raw)
+    if dl and (dl ~= dl or dl < 0 or dl == math.huge) then dl = nil end  -- nan, inf
+    if id and (not dl or ms + dl * 1000 <= now) then due[#due + 1] = {id, rev, e[1], raw} end
   end
 end
 return {now, due}

@@ -39,8 +39,16 @@ from gpu_slicer.dispatcher.errors import BadRequest, NotFound, StoreError, Unkno
 from gpu_slicer.dispatcher.model import Pending, Result, Revision
 from gpu_slicer.dispatcher.pending import PendingIndex, PendingView
 from gpu_slicer.dispatcher.poolconn import CALL_TIMEOUT_S, PoolConn
+from gpu_slicer.dispatcher.poolentry import (
+    BadEntry,
+    entry_id,
+    read_entry,
+    read_entry_deadline,
+    unreadable_error,
+)
+from gpu_slicer.dispatcher.poolscripts import UNREADABLE_READS, prefix
 from gpu_slicer.dispatcher.poolsummary import PoolSummary, entry_ms, read_summary
-from gpu_slicer.dispatcher.rows import Finish, Staged, blob_to_tokens, tokens_to_blob
+from gpu_slicer.dispatcher.rows import Finish, Staged, tokens_to_blob
 from gpu_slicer.dispatcher.store import check_revision_name, deadline_error
 
 __all__ = ["PoolStore", "PoolSummary"]
@@ -86,6 +94,7 @@ class PoolStore(PendingView):
         self.claimed_entries = 0
         self.reclaimed = 0
         self.returned = 0
+        self.put_aside = 0  # unreadable entries this replica put aside (failed)
         self._strays = False  # a CLAIM failed: Redis may hold claims of ours we do not
         self.duplicates = 0
         self.lost_claims = 0  # claims another replica took (we were silent too long)
@@ -299,25 +308,47 @@ class PoolStore(PendingView):
                 raise
         taken = 0
         unusable: list[tuple[str, str]] = []
+        unread: list[tuple[str, str, BadEntry]] = []
         for eid_b, flat in got:
             eid = eid_b.decode()
             try:
                 self.revision(revision)
-                p = self._pending(revision, eid, flat)
-            except (ValueError, KeyError, TypeError, UnknownRevision) as e:
-                # An entry this release cannot read (written by a newer one?) is not ours
-                # to fail: hand it back for a replica that can.
-                log.error("pool %s: entry %s of %s unreadable (%s); handed back",
-                          self.pool, eid, revision, e)  # fmt: skip
-                unusable.append((revision, eid))
+                p = read_entry(self.pool, revision, eid, flat)
+            except UnknownRevision:
+                unusable.append((revision, eid))  # its record: CLAIM skips it from now on
+                continue
+            except BadEntry as e:
+                unread.append((eid, entry_id(flat), e))
                 continue
             self._index.add(p)
             self._entry[p.id] = (revision, eid)
             taken += 1
         if unusable:
             await self._hand_back(unusable)
+        if unread:
+            await self._unreadable(revision, unread)
         self.claimed_entries += taken
         return taken
+
+    async def _unreadable(self, revision: str, entries: list[tuple[str, str, BadEntry]]) -> None:
+        # An entry this release cannot read (written by another one?) may be readable by
+        # another replica: handed back, but only UNREADABLE_READS - 1 times in all (each
+        # time it wakes a replica), then put aside, failed naming the field.
+        args: list[str | int] = [self.consumer, UNREADABLE_READS, int(self.result_ttl)]
+        for eid, sid, e in entries:
+            err = unreadable_error(self.pool, revision, eid, e, UNREADABLE_READS)
+            args += [revision, eid, sid, err]
+        back, aside = await self.conn.script("UNREADABLE", *args)
+        self.returned += int(back)
+        self.put_aside += int(aside)
+        for eid, sid, e in entries:
+            log.error("pool %s: entry %s (request %s) of revision %s is unreadable: %s",
+                      self.pool, eid, sid or "?", revision, e)  # fmt: skip
+        if int(aside):
+            log.error("pool %s: %d unreadable entr%s of revision %s put aside after %d "
+                      "readings (failed; kept in Redis stream %saside)", self.pool, int(aside),
+                      "y" if int(aside) == 1 else "ies", revision, UNREADABLE_READS,
+                      prefix(self.pool))  # fmt: skip
 
     async def _hand_back_strays(self) -> None:
         args: list[str] = []
@@ -328,20 +359,6 @@ class PoolStore(PendingView):
         if n:
             self.returned += n
             log.warning("pool %s: handed back %d claims whose answer was lost", self.pool, n)
-
-    def _pending(self, revision: str, eid: str, flat: list[bytes]) -> Pending:
-        f = dict(zip(flat[::2], flat[1::2], strict=True))
-        accepted = entry_ms(eid) / 1000
-        prompt: array.array[int] | bytes | None = None
-        if b"t" in f:
-            prompt = blob_to_tokens(f[b"t"])
-        elif b"x" in f:
-            prompt = f[b"x"]
-        return Pending(
-            id=f[b"i"].decode(), pool=self.pool, revision=revision, kind=f[b"k"].decode(),
-            params=json.loads(f[b"a"]), prompt=prompt, messages=f.get(b"m"),
-            accepted_at=accepted, deadline=accepted + float(f[b"d"]), attempts=0,
-        )  # fmt: skip
 
     async def _hand_back(self, entries: Sequence[tuple[str, str]]) -> int:
         args: list[str] = []
@@ -467,10 +484,16 @@ class PoolStore(PendingView):
         args: list[Any] = [self.replica, int(self.result_ttl)]
         for id_b, rev_b, eid_b, dl_b in due:
             accepted = entry_ms(eid_b) / 1000
-            p = Pending(id_b.decode(), self.pool, rev_b.decode(), "", {}, None, None,
-                        accepted, accepted + float(dl_b), 0)  # fmt: skip
-            err = deadline_error(p, int(now_ms) / 1000)
-            args += [p.id, p.revision, eid_b.decode(), b"f" + rev_b + b"\n" + err.encode()]
+            sid, rev, eid = id_b.decode("utf-8", "replace"), rev_b.decode(), eid_b.decode()
+            try:
+                dl = read_entry_deadline(dl_b)
+            except BadEntry as e:  # failed at once: no deadline can be kept for it
+                err = f"unreadable request: pool {self.pool} revision {rev} entry {eid}: {e}"
+                log.error("pool %s: request %s failed: %s", self.pool, sid, err)
+            else:
+                p = Pending(sid, self.pool, rev, "", {}, None, None, accepted, accepted + dl, 0)
+                err = deadline_error(p, int(now_ms) / 1000)
+            args += [id_b, rev, eid, b"f" + rev_b + b"\n" + err.encode()]
         out = await self.conn.script("COMMIT", *args)
         for id_b, _, _, _ in due:  # claimed here: its sends are moot now
             sid = id_b.decode()

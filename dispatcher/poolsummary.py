@@ -14,7 +14,8 @@ from gpu_slicer.dispatcher.poolconn import PoolConn
 
 __all__ = ["STATS", "PoolSummary", "entry_ms", "read_reports", "read_summary"]
 
-STATS = ("committed", "failed", "duplicates", "reclaimed", "returned")  # the pool's counters
+# The pool's counters.
+STATS = ("committed", "failed", "duplicates", "reclaimed", "returned", "aside")
 
 
 def entry_ms(eid: bytes | str) -> int:

@@ -423,7 +423,7 @@ POOL_SERIES = {
     f"slicer_dispatch_pool_{n}"
     for n in [
         *("pending", "unclaimed", "reclaimable", "oldest_pending_seconds", "claimed"),
-        *("committed", "failed", "duplicates", "reclaimed", "returned", "served"),
+        *("committed", "failed", "duplicates", "reclaimed", "returned", "aside", "served"),
         *("redis_up", "claimed_here", "claims_here", "reclaimed_here", "returned_here"),
         *("duplicates_here", "lost_claims"),
     ]

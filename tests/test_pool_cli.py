@@ -103,7 +103,7 @@ async def test_status_shows_revisions_replicas_and_counters(tmp_path: Path) -> N
             assert st["orphan_claims"] == {consumers["b"]: 2}  # no report names it
             assert st["returned"] == 1
             assert st["stats"] == {"committed": 1, "failed": 0, "duplicates": 0,
-                                   "reclaimed": 0, "returned": 1}  # fmt: skip
+                                   "reclaimed": 0, "returned": 1, "aside": 0}  # fmt: skip
             # The replicas' own bound, as node-a reported it (its PoolStore's default).
             assert st["reclaim_idle_s"] == a_reclaim_idle
 
@@ -118,7 +118,8 @@ async def test_status_shows_revisions_replicas_and_counters(tmp_path: Path) -> N
             assert re.search(r"s ago\s+r9: vLLM refused the load: 400$", res.stdout, re.M)
             assert re.search(r"^node-c .* none \(stale\)", res.stdout, re.M)
             assert f"{consumers['b']} (2)" in res.stdout
-            assert "committed 1  failed 0  duplicates 0  reclaimed 0  returned 1" in res.stdout
+            counters = "committed 1  failed 0  duplicates 0  reclaimed 0  returned 1  aside 0"
+            assert counters in res.stdout
 
 
 async def test_the_pools_and_the_revisions_are_listed(tmp_path: Path) -> None:

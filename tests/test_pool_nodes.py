@@ -345,3 +345,41 @@ async def test_an_unreadable_revision_record_takes_no_dispatcher_down(tmp_path: 
             assert {s.revision for s in more} == {"r1"}  # the newest readable one
             check_results(more, await results(node.front, [s.id for s in more]))
             pool.check_alive()
+
+
+async def test_an_unreadable_request_wakes_the_pool_a_bounded_number_of_times(
+    tmp_path: Path,
+) -> None:
+    """An entry this release cannot read (params that are not JSON, as another release
+    could write) used to be handed back and claimed again at once, forever: its node's
+    trainer was parked 11 times in 15 s. Now it is read at most 3 times, then failed
+    naming the pool, the field and the reason, and the trainer keeps its GPU."""
+    with trio.fail_after(60), RedisServer(tmp_path / "redis") as redis:
+        dargs = ["--turn-seconds", "0.3", "--turn-grace", "1", "--concurrency", "8"]
+        async with running_pool(1, redis, dispatch_args=dargs) as pool:
+            node, key = pool.nodes[0], prefix(pool.name)
+            await publish(node.front, "r1", pool.base)
+            redis.command("XGROUP", "CREATE", key + "q:r1", "dispatch", "0", "MKSTREAM")
+            redis.command("SADD", key + "active", "r1")
+            bad = ["i", "bad1", "k", "completion", "a", "not json", "d", "3600", "x", "hi"]
+            eid = redis.command("XADD", key + "q:r1", "*", *bad)
+            assert isinstance(eid, bytes)
+            redis.command("HSET", key + "where", "bad1", "r1 " + eid.decode())
+            redis.command("HINCRBY", key + "unclaimed", "r1", "1")
+            before = workload(await node.stack.status(), "trainer") or {}
+            redis.command("XADD", key + "ev", "*", "e", "new")  # as ENQUEUE announces it
+            got = (await results(node.front, ["bad1"]))["bad1"]
+            assert got["status"] == "failed", got
+            err = got["error"]["message"] if isinstance(got["error"], dict) else got["error"]
+            assert "pool pa" in err and "field 'a'" in err and "in 3 tries" in err, got
+            assert pool.stats()["aside"] == 1 and pool.stats()["returned"] == 2
+            after = workload(await node.stack.status(), "trainer") or {}
+            parks = after.get("parks", 0) - before.get("parks", 0)
+            assert parks <= 3, (before, after)  # at most one a reading of the bad entry
+            st = await node.status()
+            assert st["pool_mode"]["put_aside_here"] == 1, st["pool_mode"]
+            # The pool is idle again: a readable request is served as usual.
+            sent = await submit_many([node.front], 2, prefix="after")
+            check_results(sent, await results(node.front, [s.id for s in sent]))
+            print(f"unreadable entry: the trainer was parked {parks} times for it")
+            pool.check_alive()

@@ -45,7 +45,7 @@ from gpu_slicer.dispatcher.poollink import PoolLink
 from gpu_slicer.dispatcher.poolscripts import prefix
 from gpu_slicer.dispatcher.poolstore import PoolStore
 from stubs.redisserver import RedisServer
-from tests.test_pool_store import POOL, done, enqueue, held, pool, staged
+from tests.test_pool_store import POOL, done, enqueue, held, pool, staged, stats
 
 pytestmark = pytest.mark.integration
 
@@ -321,3 +321,86 @@ async def test_a_replica_that_cannot_serve_the_backlog_holds_nobody_back(
             a.bad_revisions["r1"] = "ValueError: unreadable"  # nor if it cannot read r1
             assert not await a.want(8, 5.0, 30.0)
             assert await a.claim("r1", 8) == 0 and await b.claim("r1", 8) == 1
+
+
+def raw_entry(redis: RedisServer, rev: str, fields: dict[str, str | bytes]) -> str:
+    """Add a request entry to ``rev``'s stream as another release (or a hand edit) might
+    write it, with the bookkeeping ENQUEUE does; its entry id. The stream must exist."""
+    flat: list[str | bytes] = [x for kv in fields.items() for x in kv]
+    eid = redis.command("XADD", KEY + f"q:{rev}", "*", *flat)
+    assert isinstance(eid, bytes)
+    if isinstance(fields.get("i"), str):
+        redis.command("HSET", KEY + "where", str(fields["i"]), f"{rev} {eid.decode()}")
+    redis.command("HINCRBY", KEY + "unclaimed", rev, "1")
+    return eid.decode()
+
+
+GOOD = {"k": "completion", "a": '{"max_tokens": 2}', "d": "3600", "t": b"\x01\x00\x00\x00"}
+
+
+async def test_an_unreadable_entry_is_handed_back_twice_then_put_aside_failed(
+    redis: RedisServer,
+) -> None:
+    """Unreadable params: each reading hands it back (it wakes a replica each time) until
+    the third, which fails it naming pool, field and reason, and keeps it for an operator;
+    the readable request beside it is served."""
+    with trio.fail_after(20):
+        async with pool(redis, "a", "b") as [a, b]:
+            [ok] = await enqueue(a, "r1", 1)
+            eid = raw_entry(redis, "r1", {"i": "bad1", **GOOD, "a": "not json"})
+            assert await a.claim("r1", 10) == 1 and held(a) == [ok]  # bad1: read 1, back
+            assert await b.want(8, 5.0, 30.0)  # handed back: claimable, it wakes b
+            assert await b.claim("r1", 10) == 0  # read 2, back
+            assert await b.claim("r1", 10) == 0  # read 3: put aside
+            assert await b.claim("r1", 10) == 0 and not await b.want(8, 5.0, 30.0)
+            got = await b.lookup("bad1")
+            assert got.status == "failed" and got.error is not None
+            for part in ("pool pa", "revision r1", f"entry {eid}", "field 'a'",
+                         "request parameters", "JSONDecodeError", "in 3 tries"):  # fmt: skip
+                assert part in got.error, (part, got.error)
+            st = await stats(a)
+            assert (st["aside"], st["failed"], st["returned"]) == (1, 1, 2), st
+            [(_, kept)] = redis.command("XRANGE", KEY + "aside", "-", "+")  # type: ignore[misc]
+            kept = dict(zip(kept[::2], kept[1::2], strict=True))
+            assert kept[b"eid"] == eid.encode() and kept[b"f.a"] == b"not json", kept
+            assert kept[b"f.i"] == b"bad1" and b"field 'a'" in kept[b"why"], kept
+            assert a.put_aside + b.put_aside == 1
+            assert await a.commit(done([ok])) == [True]
+            assert stream_keys(redis) == []  # nothing left pending: the stream went too
+            assert redis.command("HLEN", KEY + "unread") == 0
+
+
+async def test_an_entry_without_a_readable_id_is_put_aside_without_a_result(
+    redis: RedisServer,
+) -> None:
+    with trio.fail_after(20):
+        async with pool(redis, "a") as [a]:
+            await enqueue(a, "r1", 1)
+            raw_entry(redis, "r1", {"i": b"\xff\xfe", **GOOD})
+            for _ in range(3):
+                await a.claim("r1", 10)
+            st = await stats(a)
+            assert (st["aside"], st["failed"]) == (1, 0), st
+            assert redis.command("XLEN", KEY + "aside") == 1
+
+
+@pytest.mark.parametrize("dl", ["soon", "nan", "inf", "-1", ""])
+async def test_an_unreadable_deadline_fails_its_request_at_once(
+    redis: RedisServer, dl: str
+) -> None:
+    """The deadline scan fails it at the first look (it could never be reached), naming
+    the field; the readable requests beside it stay pending."""
+    with trio.fail_after(20):
+        async with pool(redis, "a") as [a]:
+            [ok] = await enqueue(a, "r1", 1)
+            fields: dict[str, str | bytes] = {"i": "late1", **GOOD, "d": dl}
+            if not dl:
+                del fields["d"]
+            raw_entry(redis, "r1", fields)
+            assert await a.expire_pool() == 1
+            got = await a.lookup("late1")
+            assert got.status == "failed" and got.error is not None
+            assert "pool pa revision r1" in got.error and "field 'd'" in got.error, got.error
+            assert "deadline" in got.error, got.error
+            assert (await a.lookup(ok)).status == "pending"
+            assert await a.expire_pool() == 0
