@@ -351,6 +351,7 @@ class PoolLink:
                 await self._quietly(self._read_reports)
             if not self.store.revisions():
                 await self._quietly(self.store.refresh_revisions)
+            await self._quietly(self.store.recheck_bad_revisions)
             await trio.sleep(TICK_S)
 
     async def _quietly(self, call: Callable[[], Any]) -> bool:

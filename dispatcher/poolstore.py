@@ -261,7 +261,24 @@ class PoolStore(PendingView):
             raise UnknownRevision(f"revision {name!r} of pool {self.pool!r} is unreadable") from e
         self._revs[name] = rev
         self._seq[name] = seq
+        if self.bad_revisions.pop(name, None) is not None:
+            log.warning("pool %s: revision %r reads again (%s); served", self.pool, name, rev.path)
         return rev
+
+    async def recheck_bad_revisions(self) -> None:
+        """Read again the records of the revisions found unreadable (repaired by hand,
+        rewritten by their release: no event says so): one that reads now is served from
+        now on, its requests claimed and counted in the backlog."""
+        names = list(self.bad_revisions)
+        if not names:
+            return
+        got = await self.conn.command("hmget", "revs", names)
+        for name, raw in zip(names, got, strict=True):
+            if raw is None:
+                self.bad_revisions[name] = "no record in the pool (removed?)"
+                continue
+            with contextlib.suppress(UnknownRevision):
+                self._remember_revision(name, raw)
 
     async def refresh_revisions(self) -> None:
         """Read the pool's revisions again (an unreadable one is skipped and logged)."""
@@ -315,7 +332,10 @@ class PoolStore(PendingView):
                 self.revision(revision)
                 p = read_entry(self.pool, revision, eid, flat)
             except UnknownRevision:
-                unusable.append((revision, eid))  # its record: CLAIM skips it from now on
+                # Its record is unreadable or gone: CLAIM skips the revision from now on,
+                # and the record is read again every tick (recheck_bad_revisions).
+                self.bad_revisions.setdefault(revision, "no record in the pool")
+                unusable.append((revision, eid))
                 continue
             except BadEntry as e:
                 unread.append((eid, entry_id(flat), e))

@@ -10,6 +10,7 @@ WATCH-driven `Stack.until`, process exits, all under `trio.fail_after`.
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import subprocess
@@ -344,7 +345,36 @@ async def test_an_unreadable_revision_record_takes_no_dispatcher_down(tmp_path: 
             more = await submit_many([node.front], 10, prefix="after")
             assert {s.revision for s in more} == {"r1"}  # the newest readable one
             check_results(more, await results(node.front, [s.id for s in more]))
+            # Repaired by hand (no event says so) while a request of it waits, accepted
+            # by another release's front: read again within a tick, and served.
+            key = prefix(pool.name)
+            ckpt = pool.base / "ckpt" / "r2"
+            ckpt.mkdir(parents=True)
+            (ckpt / "revision.txt").write_text("r2")
+            record = {"path": str(ckpt), "published_at": time.time(), "seq": 2}
+            redis.command("HSET", key + "revs", "r2", json.dumps(record))
+            foreign_entry(redis, key, "r2", {"i": "fixed1", **FOREIGN})
+            redis.command("XADD", key + "ev", "*", "e", "new")
+            got = (await results(node.front, ["fixed1"]))["fixed1"]
+            assert got["status"] == "done" and got["revision"] == "r2", got
+            assert versions(got["result"]) == {"r2"}, got
+            assert (await node.status())["pool_mode"]["bad_revisions"] == {}
             pool.check_alive()
+
+
+FOREIGN = {"k": "completion", "a": '{"max_tokens": 2}', "d": "3600", "x": "hello"}
+
+
+def foreign_entry(redis: RedisServer, key: str, rev: str, fields: dict[str, str]) -> None:
+    """Add a request to ``rev``'s stream as another release's front might (with what
+    ENQUEUE does besides), unannounced (XADD ``ev`` ``new`` announces it)."""
+    if not redis.command("EXISTS", key + f"q:{rev}"):
+        redis.command("XGROUP", "CREATE", key + f"q:{rev}", "dispatch", "0", "MKSTREAM")
+    redis.command("SADD", key + "active", rev)
+    eid = redis.command("XADD", key + f"q:{rev}", "*", *[x for kv in fields.items() for x in kv])
+    assert isinstance(eid, bytes)
+    redis.command("HSET", key + "where", fields["i"], f"{rev} {eid.decode()}")
+    redis.command("HINCRBY", key + "unclaimed", rev, "1")
 
 
 async def test_an_unreadable_request_wakes_the_pool_a_bounded_number_of_times(
@@ -359,13 +389,7 @@ async def test_an_unreadable_request_wakes_the_pool_a_bounded_number_of_times(
         async with running_pool(1, redis, dispatch_args=dargs) as pool:
             node, key = pool.nodes[0], prefix(pool.name)
             await publish(node.front, "r1", pool.base)
-            redis.command("XGROUP", "CREATE", key + "q:r1", "dispatch", "0", "MKSTREAM")
-            redis.command("SADD", key + "active", "r1")
-            bad = ["i", "bad1", "k", "completion", "a", "not json", "d", "3600", "x", "hi"]
-            eid = redis.command("XADD", key + "q:r1", "*", *bad)
-            assert isinstance(eid, bytes)
-            redis.command("HSET", key + "where", "bad1", "r1 " + eid.decode())
-            redis.command("HINCRBY", key + "unclaimed", "r1", "1")
+            foreign_entry(redis, key, "r1", {"i": "bad1", **FOREIGN, "a": "not json"})
             before = workload(await node.stack.status(), "trainer") or {}
             redis.command("XADD", key + "ev", "*", "e", "new")  # as ENQUEUE announces it
             got = (await results(node.front, ["bad1"]))["bad1"]

@@ -404,3 +404,26 @@ async def test_an_unreadable_deadline_fails_its_request_at_once(
             assert "deadline" in got.error, got.error
             assert (await a.lookup(ok)).status == "pending"
             assert await a.expire_pool() == 0
+
+
+async def test_a_repaired_revision_record_is_read_again_and_served(redis: RedisServer) -> None:
+    """Skipped while unreadable (its requests neither claimed nor counted in the backlog),
+    served once repaired, with no event and no restart; a removed record stays skipped."""
+    with trio.fail_after(20):
+        async with pool(redis, "a", "b") as [a, b]:
+            await a.publish("r3", "/ckpt/r3")
+            await b.refresh_revisions()
+            [sid] = await enqueue(b, "r3", 1)  # accepted where the record still read
+            redis.command("HSET", KEY + "revs", "r3", "not json")  # then broken by hand
+            redis.command("HSET", KEY + "revs", "r9", "not json")
+            await a.refresh_revisions()
+            assert set(a.bad_revisions) == {"r3", "r9"}
+            assert not await a.want(8, 5.0, 30.0) and await a.claim("r3", 8) == 0
+            good = {"path": "/ckpt/r3", "published_at": 1.0, "seq": 3}
+            redis.command("HSET", KEY + "revs", "r3", json.dumps(good))  # repaired
+            redis.command("HDEL", KEY + "revs", "r9")  # removed
+            await a.recheck_bad_revisions()
+            assert set(a.bad_revisions) == {"r9"} and "removed" in a.bad_revisions["r9"]
+            assert a.revision("r3").path == "/ckpt/r3"
+            assert await a.want(8, 5.0, 30.0)
+            assert await a.claim(None, 8) == 1 and held(a) == [sid]
