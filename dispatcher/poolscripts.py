@@ -8,6 +8,8 @@ Cluster)::
     revseq          string the publish counter (``seq``: newest is the largest)
     active          set    the revisions that have a stream
     q:REV           stream the pending requests of REV, consumer group ``dispatch``
+    dl:REV          zset   entry id -> its deadline (Redis' clock, ms): the deadline scan
+                           finds every due entry there, however many come before it
     unclaimed       hash   REV -> entries of q:REV never delivered to a dispatcher
     where           hash   sample id -> "REV ENTRY_ID" while the request is pending
     res:ID          string the result: b"d" REV "\\n" body, or b"f" REV "\\n" error (TTL)
@@ -116,6 +118,7 @@ local function free(q, eid)  -- to the pseudo-consumer, claimable at once
   redis.call('XCLAIM', q, 'dispatch', '__free__', 0, eid, 'IDLE', 100000000000, 'JUSTID')
 end
 local function drop(p, q, rev, eid)  -- acknowledged and deleted; an empty stream goes
+  redis.call('ZREM', p .. 'dl:' .. rev, eid)
   if redis.call('EXISTS', q) == 0 then return end
   redis.call('XACK', q, 'dispatch', eid)
   redis.call('XDEL', q, eid)
@@ -123,7 +126,7 @@ local function drop(p, q, rev, eid)  -- acknowledged and deleted; an empty strea
   -- cost of every scan stays with the revisions that have work. ENQUEUE makes it anew
   -- when the revision gets a request again.
   if redis.call('XLEN', q) == 0 and redis.call('XPENDING', q, 'dispatch')[1] == 0 then
-    redis.call('DEL', q)
+    redis.call('DEL', q, p .. 'dl:' .. rev)
     redis.call('SREM', p .. 'active', rev)
     redis.call('HDEL', p .. 'unclaimed', rev)
   end
@@ -171,6 +174,8 @@ for k = 0, n - 1 do
   if form ~= '' then fields[#fields + 1] = form; fields[#fields + 1] = prompt end
   if msgs ~= '' then fields[#fields + 1] = 'm'; fields[#fields + 1] = msgs end
   local eid = redis.call('XADD', q, '*', unpack(fields))
+  local due = tonumber(string.match(eid, '^(%d+)-')) + math.floor(tonumber(dl) * 1000)
+  redis.call('ZADD', p .. 'dl:' .. rev, due, eid)
   redis.call('HSET', p .. 'where', id, rev .. ' ' .. eid)
   redis.call('HINCRBY', p .. 'unclaimed', rev, 1)
   out[#out + 1] = eid
@@ -462,29 +467,38 @@ end
 return out
 """
 
-#: ARGV: prefix, max entries scanned per revision. Read only. Returns {now ms (Redis'
-#: clock: the caller learns its offset from it), {{id,
-#: rev, entry id, deadline s}, ...}} for the entries past their deadline (entry time +
-#: ``d``) among the oldest of each revision's stream, and for those whose deadline is
-#: unreadable (not a finite number >= 0; missing) at once, with the field as it is ("").
+#: ARGV: prefix, max entries per revision. Read only. Returns {now ms (Redis' clock: the
+#: caller learns its offset from it), {{id, rev, entry id, deadline field}, ...}}: the
+#: entries past their deadline, up to max of each revision from its deadline index
+#: (``dl:REV``, every entry ENQUEUE wrote, however many come before it) and among its
+#: oldest max entries (those another release wrote with no index entry); and among those
+#: oldest, at once, the ones whose deadline field is unreadable (not a finite number >= 0,
+#: or missing: the field as it is, or "").
 EXPIRE_SCAN = """
 local p, scan = ARGV[1], tonumber(ARGV[2])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local due = {}
+local due, seen = {}, {}
+local function look(rev, e)
+  if seen[e[1]] then return end
+  seen[e[1]] = true
+  local ms = tonumber(string.match(e[1], '^(%d+)-'))
+  local id, raw = nil, ''
+  for j = 1, #e[2], 2 do
+    if e[2][j] == 'i' then id = e[2][j + 1] end
+    if e[2][j] == 'd' then raw = e[2][j + 1] end
+  end
+  local dl = tonumber(raw)
+  if dl and (dl ~= dl or dl < 0 or dl == math.huge) then dl = nil end  -- nan, inf
+  if id and (not dl or ms + dl * 1000 <= now) then due[#due + 1] = {id, rev, e[1], raw} end
+end
 for _, rev in ipairs(redis.call('SMEMBERS', p .. 'active')) do
   local q = p .. 'q:' .. rev
-  for _, e in ipairs(redis.call('XRANGE', q, '-', '+', 'COUNT', scan)) do
-    local ms = tonumber(string.match(e[1], '^(%d+)-'))
-    local id, raw = nil, ''
-    for j = 1, #e[2], 2 do
-      if e[2][j] == 'i' then id = e[2][j + 1] end
-      if e[2][j] == 'd' then raw = e[2][j + 1] end
-    end
-    local dl = tonumber(raw)
-    if dl and (dl ~= dl or dl < 0 or dl == math.huge) then dl = nil end  -- nan, inf
-    if id and (not dl or ms + dl * 1000 <= now) then due[#due + 1] = {id, rev, e[1], raw} end
+  for _, eid in ipairs(redis.call('ZRANGEBYSCORE', p .. 'dl:' .. rev, '-inf', now,
+                                  'LIMIT', 0, scan)) do
+    for _, e in ipairs(redis.call('XRANGE', q, eid, eid)) do look(rev, e) end
   end
+  for _, e in ipairs(redis.call('XRANGE', q, '-', '+', 'COUNT', scan)) do look(rev, e) end
 end
 return {now, due}
 """

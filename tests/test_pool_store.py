@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import trio
 
-from gpu_slicer.dispatcher import poolconn
+from gpu_slicer.dispatcher import poolconn, poolscripts
 from gpu_slicer.dispatcher.errors import BadRequest, NotFound, PoolUnavailable, UnknownRevision
 from gpu_slicer.dispatcher.poolconn import PoolConn
 from gpu_slicer.dispatcher.poolstore import PoolStore
@@ -38,6 +38,7 @@ from stubs.redisserver import RedisServer
 pytestmark = pytest.mark.integration
 
 POOL = "pa"
+KEY = poolscripts.prefix(POOL)
 IDLE = 0.2  # the reclaim bound of the tests that wait for it (wall clock, see the docstring)
 # Redis' default stream-node-max-bytes (4 KiB) puts each prompt of ~1,000 tokens in a
 # listpack of its own, which jemalloc rounds up to 5 KiB: 5.3 bytes a token. With 64 KiB
@@ -403,6 +404,27 @@ async def test_expire_pool_fails_overdue_requests_claimed_or_not(redis: RedisSer
             assert s.revisions["r1"]["unclaimed"] == 1  # the long one, still claimable
             assert (s.stats.get("failed"), s.stats.get("duplicates")) == (2, 1)
             assert await b.claim("r1", 10) == 1 and held(b) == [long]
+
+
+async def test_a_short_deadline_behind_many_long_ones_is_failed_on_time(
+    redis: RedisServer,
+) -> None:
+    """The scan looks at 256 entries of a revision a call: a short deadline behind 300
+    one-hour requests is found all the same (the deadline index), and only it."""
+    with trio.fail_after(30):
+        async with pool(redis, "a") as [a]:
+            await enqueue(a, "r1", 300)
+            [short] = await enqueue(a, "r1", 1, deadline=0.05)
+            await trio.sleep(0.2)  # past the deadline, measured by Redis' clock (ms)
+            assert await a.expire_pool() == 1
+            r = await a.lookup(short)
+            assert r.status == "failed" and r.error is not None
+            assert r.error.startswith(f"deadline exceeded: pool {POOL} revision r1 "), r.error
+            assert await a.expire_pool() == 0
+            assert redis.command("ZCARD", KEY + "dl:r1") == 300  # the failed one left it
+            assert await a.claim("r1", 300) == 300
+            assert await a.commit(done(held(a))) == [True] * 300
+            assert redis.command("EXISTS", KEY + "dl:r1") == 0  # gone with the stream
 
 
 # coredis 6.9 leaks the memory streams of a connection whose connect failed (they are
