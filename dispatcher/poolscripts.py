@@ -16,6 +16,8 @@ Cluster)::
     done            stream ids of results just stored (capped): wakes the long-polls
     ev              stream "new" / "ret" / "rev" (capped): wakes idle dispatchers
     stats           hash   committed, failed, duplicates, reclaimed, returned, aside
+    bounds          hash   consumer -> its reclaim bound (ms), set at each CLAIM: its
+                           claims are reclaimed only once idle past it (and the claimer's)
     unread          hash   "REV ENTRY_ID" -> times an entry was read and found unreadable
     aside           stream entries put aside unread (capped): ``rev``, ``eid``, ``why``
                            and the entry's own fields as ``f.NAME``, for an operator
@@ -114,6 +116,32 @@ local function owner(q, eid)
   if #e == 0 then return nil end
   return e[1][2]
 end
+-- Up to `want` pending entries of q, oldest first, idle past `idle` ms and past their
+-- owner's own bound (``bounds``: a live owner touches its claims within its bound, so a
+-- replica with a shorter one must not take them). Looks at `want` entries first, and
+-- further (at most 10,000) only where owners' bounds held some back.
+local bound_of = {}
+local function reclaimable(p, q, idle, want)
+  if want < 1 then return {} end
+  local count, out = want, {}
+  while true do
+    local pend = redis.call('XPENDING', q, 'dispatch', 'IDLE', idle, '-', '+', count)
+    out = {}
+    for _, e in ipairs(pend) do
+      local b = bound_of[e[2]]
+      if b == nil then
+        b = tonumber(redis.call('HGET', p .. 'bounds', e[2]) or '0')
+        bound_of[e[2]] = b
+      end
+      if e[3] >= b then
+        out[#out + 1] = e
+        if #out >= want then return out end
+      end
+    end
+    if #pend < count or count >= 10000 then return out end
+    count = math.min(count * 10, 10000)
+  end
+end
 local function free(q, eid)  -- to the pseudo-consumer, claimable at once
   redis.call('XCLAIM', q, 'dispatch', '__free__', 0, eid, 'IDLE', 100000000000, 'JUSTID')
 end
@@ -196,11 +224,12 @@ CLAIM = (
     + """
 local p, me, pref = ARGV[1], ARGV[2], ARGV[3]
 local max, idle = tonumber(ARGV[4]), tonumber(ARGV[5])
+redis.call('HSET', p .. 'bounds', me, idle)  -- its claims carry its bound
 local function oldest(rev)
   local q = p .. 'q:' .. rev
   if redis.call('EXISTS', q) == 0 then return nil end
   local best = nil
-  local pend = redis.call('XPENDING', q, 'dispatch', 'IDLE', idle, '-', '+', 1)
+  local pend = reclaimable(p, q, idle, 1)
   if #pend > 0 then best = pend[1][1] end
   if tonumber(redis.call('HGET', p .. 'unclaimed', rev) or '0') > 0 then
     local nx = redis.call('XRANGE', q, '(' .. last_delivered(q), '+', 'COUNT', 1)
@@ -224,7 +253,7 @@ end
 local got, reclaimed = {}, 0
 if chosen and max > 0 then
   local q = p .. 'q:' .. chosen
-  for _, e in ipairs(redis.call('XPENDING', q, 'dispatch', 'IDLE', idle, '-', '+', max)) do
+  for _, e in ipairs(reclaimable(p, q, idle, max)) do
     local r = redis.call('XCLAIM', q, 'dispatch', me, idle, e[1])
     if #r > 0 and r[1] then
       got[#got + 1] = r[1]
@@ -247,7 +276,7 @@ for _, v in ipairs(redis.call('HVALS', p .. 'unclaimed')) do left = left + tonum
 for _, rev in ipairs(revs) do
   local q = p .. 'q:' .. rev
   if redis.call('EXISTS', q) == 1 then
-    left = left + #redis.call('XPENDING', q, 'dispatch', 'IDLE', idle, '-', '+', 1)
+    left = left + #reclaimable(p, q, idle, 1)
   end
 end
 return {chosen or '', got, reclaimed, left}
@@ -265,7 +294,7 @@ for _, rev in ipairs(redis.call('SMEMBERS', p .. 'active')) do
   local q = p .. 'q:' .. rev
   if redis.call('EXISTS', q) == 1 then
     local un = tonumber(redis.call('HGET', p .. 'unclaimed', rev) or '0')
-    local rc = #redis.call('XPENDING', q, 'dispatch', 'IDLE', idle, '-', '+', 1000)
+    local rc = #reclaimable(p, q, idle, 1000)
     local s = redis.call('XPENDING', q, 'dispatch')
     local first = redis.call('XRANGE', q, '-', '+', 'COUNT', 1)
     local oldest = ''
@@ -531,6 +560,7 @@ return {1, v}
 #: Returns {0|1, B, C}.
 WANT = (
     _DRAINS
+    + _LIB
     + """
 local p, me, cap = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local ttl, patience, idle = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -543,7 +573,7 @@ for _, rev in ipairs(redis.call('SMEMBERS', p .. 'active')) do
   local q = p .. 'q:' .. rev
   if not skip[rev] and redis.call('EXISTS', q) == 1 then
     backlog = backlog + tonumber(redis.call('HGET', p .. 'unclaimed', rev) or '0')
-    backlog = backlog + #redis.call('XPENDING', q, 'dispatch', 'IDLE', idle, '-', '+', 1000)
+    backlog = backlog + #reclaimable(p, q, idle, 1000)
   end
 end
 local all = redis.call('HGETALL', p .. 'asking')
@@ -594,6 +624,7 @@ return 1
 #: ARGV: prefix, consumer: no longer asking nor holding. Returns 1 if it was recorded.
 UNWANT = (
     _DRAINS
+    + _LIB
     + """
 return redis.call('HDEL', ARGV[1] .. 'asking', ARGV[2])
 """

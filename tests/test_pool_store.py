@@ -203,6 +203,38 @@ async def test_a_claim_is_reclaimed_only_after_its_idle_bound(redis: RedisServer
             assert a.lost_claims == 3
 
 
+async def test_a_shorter_reclaim_bound_never_takes_a_live_replicas_claims(
+    redis: RedisServer,
+) -> None:
+    """a's claims carry a's bound (2 s): b, whose own bound is shorter (0.2 s), neither
+    counts them in the backlog nor takes them until they are idle past a's. A claim is
+    taken once idle past both bounds, its owner's and the taker's (c takes b's)."""
+    with trio.fail_after(20):
+        async with (
+            PoolConn(redis.url, POOL) as ca,
+            PoolConn(redis.url, POOL) as cb,
+            PoolConn(redis.url, POOL) as cc,
+        ):
+            a = PoolStore(ca, "a", reclaim_idle=2.0)
+            b, c = PoolStore(cb, "b", reclaim_idle=0.2), PoolStore(cc, "c", reclaim_idle=0.2)
+            await a.publish("r1", "/ckpt/r1")
+            for s in (a, b, c):
+                await s.refresh_revisions()
+            ids = await enqueue(a, "r1", 3)
+            assert await a.claim("r1", 10) == 3
+            await trio.sleep(0.3)  # past b's bound, well within a's (Redis' clock)
+            assert (await b.poll()).revisions["r1"]["reclaimable"] == 0
+            assert not await b.want(8, 5.0, 30.0)  # nothing for b to serve
+            assert await b.claim("r1", 10) == 0 and b.reclaimed == 0
+            await a.touch()
+            assert a.lost_claims == 0
+            await trio.sleep(2.1)  # a went silent past its own bound: it is gone
+            assert (await b.poll()).revisions["r1"]["reclaimable"] == 3
+            assert await b.claim("r1", 10) == 3 and held(b) == ids and b.reclaimed == 3
+            await trio.sleep(0.3)  # b's claims idle past b's bound and c's
+            assert await c.claim("r1", 10) == 3 and c.reclaimed == 3
+
+
 async def test_given_back_claims_are_claimable_at_once_not_reclaimed(redis: RedisServer) -> None:
     with trio.fail_after(20):
         async with pool(redis, "a", "b") as [a, b]:  # the default bound: 120 s
