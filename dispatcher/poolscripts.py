@@ -16,8 +16,9 @@ Cluster)::
     done            stream ids of results just stored (capped): wakes the long-polls
     ev              stream "new" / "ret" / "rev" (capped): wakes idle dispatchers
     stats           hash   committed, failed, duplicates, reclaimed, returned, aside
-    bounds          hash   consumer -> its reclaim bound (ms), set at each CLAIM: its
-                           claims are reclaimed only once idle past it (and the claimer's)
+    bound:NAME      string consumer NAME's reclaim bound (ms), set by its CLAIM and TOUCH,
+                           expiring after twice the bound: its claims are reclaimed only
+                           once idle past it (and the taker's)
     unread          hash   "REV ENTRY_ID" -> times an entry was read and found unreadable
     aside           stream entries put aside unread (capped): ``rev``, ``eid``, ``why``
                            and the entry's own fields as ``f.NAME``, for an operator
@@ -117,7 +118,7 @@ local function owner(q, eid)
   return e[1][2]
 end
 -- Up to `want` pending entries of q, oldest first, idle past `idle` ms and past their
--- owner's own bound (``bounds``: a live owner touches its claims within its bound, so a
+-- owner's own bound (``bound:NAME``: a live owner touches its claims within it, so a
 -- replica with a shorter one must not take them). Looks at `want` entries first, and
 -- further (at most 10,000) only where owners' bounds held some back.
 local bound_of = {}
@@ -130,7 +131,7 @@ local function reclaimable(p, q, idle, want)
     for _, e in ipairs(pend) do
       local b = bound_of[e[2]]
       if b == nil then
-        b = tonumber(redis.call('HGET', p .. 'bounds', e[2]) or '0')
+        b = tonumber(redis.call('GET', p .. 'bound:' .. e[2]) or '0') or 0
         bound_of[e[2]] = b
       end
       if e[3] >= b then
@@ -147,6 +148,7 @@ local function free(q, eid)  -- to the pseudo-consumer, claimable at once
 end
 local function drop(p, q, rev, eid)  -- acknowledged and deleted; an empty stream goes
   redis.call('ZREM', p .. 'dl:' .. rev, eid)
+  redis.call('HDEL', p .. 'unread', rev .. ' ' .. eid)
   if redis.call('EXISTS', q) == 0 then return end
   redis.call('XACK', q, 'dispatch', eid)
   redis.call('XDEL', q, eid)
@@ -224,7 +226,7 @@ CLAIM = (
     + """
 local p, me, pref = ARGV[1], ARGV[2], ARGV[3]
 local max, idle = tonumber(ARGV[4]), tonumber(ARGV[5])
-redis.call('HSET', p .. 'bounds', me, idle)  -- its claims carry its bound
+redis.call('SET', p .. 'bound:' .. me, idle, 'PX', 2 * idle)  -- its claims carry it
 local function oldest(rev)
   local q = p .. 'q:' .. rev
   if redis.call('EXISTS', q) == 0 then return nil end
@@ -364,7 +366,9 @@ TOUCH = (
     + _LIB
     + """
 local p, me, n, other = ARGV[1], ARGV[2], 0, 0
-for k = 3, #ARGV, 2 do
+local idle = tonumber(ARGV[3])
+redis.call('SET', p .. 'bound:' .. me, idle, 'PX', 2 * idle)  -- alive: its bound holds
+for k = 4, #ARGV, 2 do
   local q = p .. 'q:' .. ARGV[k]
   local o = owner(q, ARGV[k + 1])
   if o == me then
@@ -405,7 +409,6 @@ for k = 4, #ARGV, 4 do
       end
     end
     redis.call('HDEL', p .. 'where', id)
-    redis.call('HDEL', p .. 'unread', rev .. ' ' .. eid)  -- read by another release
     redis.call('XADD', p .. 'done', 'MAXLEN', '~', 10000, '*', 'i', id)
     if string.sub(payload, 1, 1) == 'd' then
       redis.call('HINCRBY', p .. 'stats', 'committed', 1)
@@ -429,10 +432,12 @@ UNREADABLE_READS = 3
 
 #: ARGV: prefix, consumer, reads, result TTL s, then (rev, entry id, id or "", error)
 #: groups: entries the consumer claimed and could not read. Each reading is counted
-#: (``unread``); below ``reads`` the entry is handed back (as RETURN does) for a replica
-#: that can read it; at ``reads`` it is put aside: copied to ``aside`` with ``error``,
-#: failed under its id with that error (where the id is known and still pending as this
-#: entry), counted (``aside``), acknowledged and deleted. Returns {handed back, put aside}.
+#: (``unread``); below ``reads`` the entry is handed back, claimable again once idle past
+#: the reclaim bound (a replica that can read it may come first, and none reads it again
+#: at once); at ``reads`` it is put aside: copied to ``aside`` with ``error`` (each field
+#: cut to 4 KiB), failed under its id (the entry's own ``i``) with that error where it
+#: is still pending as this entry, counted (``aside``), acknowledged and deleted. Returns
+#: {handed back, put aside}.
 UNREADABLE = (
     _DRAINS
     + _LIB
@@ -444,14 +449,17 @@ for k = 5, #ARGV, 4 do
   local q, key = p .. 'q:' .. rev, rev .. ' ' .. eid
   if owner(q, eid) == me then
     if redis.call('HINCRBY', p .. 'unread', key, 1) < reads then
-      free(q, eid)
+      -- Back to the pool, idle from now: claimable once past the reclaim bound, by
+      -- whichever replica (perhaps of a release that reads it) asks first then.
+      redis.call('XCLAIM', q, 'dispatch', '__free__', 0, eid, 'JUSTID')
       back = back + 1
     else
       local copy = {'rev', rev, 'eid', eid, 'why', why}
       for _, e in ipairs(redis.call('XRANGE', q, eid, eid)) do
         for j = 1, #e[2], 2 do
+          if e[2][j] == 'i' then id = e[2][j + 1] end  -- as Redis has it, whatever it is
           copy[#copy + 1] = 'f.' .. e[2][j]
-          copy[#copy + 1] = e[2][j + 1]
+          copy[#copy + 1] = string.sub(e[2][j + 1], 1, 4096)  -- a sample, not a copy
         end
       end
       redis.call('XADD', p .. 'aside', 'MAXLEN', '~', 1000, '*', unpack(copy))
@@ -463,7 +471,6 @@ for k = 5, #ARGV, 4 do
         redis.call('HDEL', p .. 'where', id)
       end
       redis.call('HINCRBY', p .. 'stats', 'aside', 1)
-      redis.call('HDEL', p .. 'unread', key)
       drop(p, q, rev, eid)
       aside = aside + 1
     end
@@ -496,14 +503,16 @@ end
 return out
 """
 
-#: ARGV: prefix, max entries per revision. Read only. Returns {now ms (Redis' clock: the
+#: ARGV: prefix, max entries per revision. Returns {now ms (Redis' clock: the
 #: caller learns its offset from it), {{id, rev, entry id, deadline field}, ...}}: the
 #: entries past their deadline, up to max of each revision from its deadline index
 #: (``dl:REV``, every entry ENQUEUE wrote, however many come before it) and among its
 #: oldest max entries (those another release wrote with no index entry); and among those
 #: oldest, at once, the ones whose deadline field is unreadable (not a finite number >= 0,
 #: or missing: the field as it is, or "").
-EXPIRE_SCAN = """
+EXPIRE_SCAN = (
+    _DRAINS
+    + """
 local p, scan = ARGV[1], tonumber(ARGV[2])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -525,12 +534,18 @@ for _, rev in ipairs(redis.call('SMEMBERS', p .. 'active')) do
   local q = p .. 'q:' .. rev
   for _, eid in ipairs(redis.call('ZRANGEBYSCORE', p .. 'dl:' .. rev, '-inf', now,
                                   'LIMIT', 0, scan)) do
-    for _, e in ipairs(redis.call('XRANGE', q, eid, eid)) do look(rev, e) end
+    local e = redis.call('XRANGE', q, eid, eid)
+    if #e == 0 then
+      redis.call('ZREM', p .. 'dl:' .. rev, eid)  -- deleted by a release with no index
+    else
+      look(rev, e[1])
+    end
   end
   for _, e in ipairs(redis.call('XRANGE', q, '-', '+', 'COUNT', scan)) do look(rev, e) end
 end
 return {now, due}
 """
+)
 
 #: ARGV: prefix, name, path, published_at[, first]. Returns {1, json} when newly
 #: published, or {0, json} of the revision already published under that name; with

@@ -352,8 +352,9 @@ class PoolStore(PendingView):
 
     async def _unreadable(self, revision: str, entries: list[tuple[str, str, BadEntry]]) -> None:
         # An entry this release cannot read (written by another one?) may be readable by
-        # another replica: handed back, but only UNREADABLE_READS - 1 times in all (each
-        # time it wakes a replica), then put aside, failed naming the field.
+        # another replica: handed back, claimable again past the reclaim bound, but only
+        # UNREADABLE_READS - 1 times in all (each reading may wake a replica), then put
+        # aside, failed naming the field.
         args: list[str | int] = [self.consumer, UNREADABLE_READS, int(self.result_ttl)]
         for eid, sid, e in entries:
             err = unreadable_error(self.pool, revision, eid, e, UNREADABLE_READS)
@@ -418,7 +419,9 @@ class PoolStore(PendingView):
         args: list[str] = []
         for rev, eid in entries:
             args += [rev, eid]
-        _mine, other = await self.conn.script("TOUCH", self.consumer, *args)
+        _mine, other = await self.conn.script(
+            "TOUCH", self.consumer, int(self.reclaim_idle * 1000), *args
+        )
         if int(other):
             self.lost_claims += int(other)
             log.warning("pool %s: %d of %d claims were reclaimed by another replica (this "
@@ -502,6 +505,7 @@ class PoolStore(PendingView):
         if not due:
             return 0
         args: list[Any] = [self.replica, int(self.result_ttl)]
+        failing: list[str] = []
         for id_b, rev_b, eid_b, dl_b in due:
             accepted = entry_ms(eid_b) / 1000
             sid, rev, eid = id_b.decode("utf-8", "replace"), rev_b.decode(), eid_b.decode()
@@ -512,11 +516,15 @@ class PoolStore(PendingView):
                 log.error("pool %s: request %s failed: %s", self.pool, sid, err)
             else:
                 p = Pending(sid, self.pool, rev, "", {}, None, None, accepted, accepted + dl, 0)
+                if p.deadline > int(now_ms) / 1000:
+                    continue  # a field Lua read otherwise ("1_0"): not due as read here
                 err = deadline_error(p, int(now_ms) / 1000)
             args += [id_b, rev, eid, b"f" + rev_b + b"\n" + err.encode()]
+            failing.append(sid)
+        if not failing:
+            return 0
         out = await self.conn.script("COMMIT", *args)
-        for id_b, _, _, _ in due:  # claimed here: its sends are moot now
-            sid = id_b.decode()
+        for sid in failing:  # claimed here: its sends are moot now
             self._index.remove(sid)
             self._entry.pop(sid, None)
         return sum(int(x) for x in out)

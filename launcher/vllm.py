@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -229,10 +229,17 @@ class VllmProfile(Profile):
         never slept deeper than it was. slicerd then verifies, through the GPU backend,
         on its own."""
         level = self.cfg.sleep_level
+        # One deadline for every call of the park (slicerd stops waiting at it): a wake
+        # gets at most half of what is left, so that the sleep after it still has time.
+        end = trio.current_time() + timeout
+
+        def left(share: float = 1.0) -> float:
+            return max(0.0, end - trio.current_time()) * share
+
         try:
             async with httpx.AsyncClient(base_url=self.url, timeout=CALL_TIMEOUT) as http:
                 found = await self._sleep_state(http, min(5.0, timeout / 4))
-                was_asleep = await self._whole(http, timeout)
+                was_asleep = await self._whole(http, left)
                 if was_asleep is None:
                     return False
                 if was_asleep and found != "discard_all" and level > 1:
@@ -244,12 +251,12 @@ class VllmProfile(Profile):
                     level = 1
                 r = await http.post(
                     f"/sleep?level={level}&mode=abort",
-                    timeout=min(self.cfg.sleep_timeout, timeout),
+                    timeout=min(self.cfg.sleep_timeout, left()),
                 )
                 if r.status_code != 200:
                     log.error("park: POST /sleep: %d %s", r.status_code, r.text[:300])
                     return False
-                r = await http.get("/is_sleeping")
+                r = await http.get("/is_sleeping", timeout=min(CALL_TIMEOUT, left()))
                 asleep = r.status_code == 200 and r.json().get("is_sleeping") is True
         except (httpx.HTTPError, ValueError) as e:
             log.error("park: sleep failed: %r", e)
@@ -271,20 +278,21 @@ class VllmProfile(Profile):
             return None
         return parse_sleep_state(r.text) if r.status_code == 200 else None
 
-    async def _whole(self, http: httpx.AsyncClient, timeout: float) -> bool | None:
+    async def _whole(self, http: httpx.AsyncClient, left: Callable[[float], float]) -> bool | None:
         """Before a park's /sleep: whether the replica said it was sleeping, having woken
         it whole if so; None when that wake failed.
 
         A half-woken replica (weights woken, KV cache not: its holder died between the two
         wakes) says it is sleeping, so a /sleep would do nothing and leave the weights on
         the GPU, perhaps under `parked_max`. slicerd holds the GPU for this park (nobody
-        else runs), so a whole wake is safe, and the sleep after it frees everything."""
-        r = await http.get("/is_sleeping")
+        else runs), so a whole wake is safe, and the sleep after it frees everything.
+        ``left(share)`` is that share of the park's time left."""
+        r = await http.get("/is_sleeping", timeout=min(CALL_TIMEOUT, left(1.0)))
         if r.status_code != 200 or r.json().get("is_sleeping") is not True:
             return False  # awake: the sleep frees what is there
         log.warning("park: the replica says it is sleeping, which a half-woken one (weights "
                     "without KV cache) also says: waking it fully, then sleeping it")  # fmt: skip
-        r = await http.post("/wake_up", timeout=min(self.cfg.sleep_timeout, timeout))
+        r = await http.post("/wake_up", timeout=min(self.cfg.sleep_timeout, left(0.5)))
         if r.status_code != 200:
             log.error("park: POST /wake_up: %d %s", r.status_code, r.text[:300])
             return None

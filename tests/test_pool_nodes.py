@@ -382,10 +382,12 @@ async def test_an_unreadable_request_wakes_the_pool_a_bounded_number_of_times(
 ) -> None:
     """An entry this release cannot read (params that are not JSON, as another release
     could write) used to be handed back and claimed again at once, forever: its node's
-    trainer was parked 11 times in 15 s. Now it is read at most 3 times, then failed
-    naming the pool, the field and the reason, and the trainer keeps its GPU."""
+    trainer was parked 11 times in 15 s. Now it is read at most 3 times, each after the
+    reclaim bound, then failed naming the pool, the field and the reason, and the
+    trainer keeps its GPU."""
     with trio.fail_after(60), RedisServer(tmp_path / "redis") as redis:
         dargs = ["--turn-seconds", "0.3", "--turn-grace", "1", "--concurrency", "8"]
+        dargs += ["--reclaim-idle", "3"]  # a reading every 3 s at most
         async with running_pool(1, redis, dispatch_args=dargs) as pool:
             node, key = pool.nodes[0], prefix(pool.name)
             await publish(node.front, "r1", pool.base)

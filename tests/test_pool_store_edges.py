@@ -341,17 +341,23 @@ GOOD = {"k": "completion", "a": '{"max_tokens": 2}', "d": "3600", "t": b"\x01\x0
 async def test_an_unreadable_entry_is_handed_back_twice_then_put_aside_failed(
     redis: RedisServer,
 ) -> None:
-    """Unreadable params: each reading hands it back (it wakes a replica each time) until
-    the third, which fails it naming pool, field and reason, and keeps it for an operator;
-    the readable request beside it is served."""
+    """Unreadable params: each reading hands it back, claimable again once past the
+    reclaim bound (a replica that reads it may come first; none reads it again at once,
+    and each reading may wake a replica) until the third, which fails it naming pool,
+    field and reason, and keeps it for an operator."""
     with trio.fail_after(20):
-        async with pool(redis, "a", "b") as [a, b]:
+        async with pool(redis, "a", "b", reclaim_idle=IDLE) as [a, b]:
             [ok] = await enqueue(a, "r1", 1)
             eid = raw_entry(redis, "r1", {"i": "bad1", **GOOD, "a": "not json"})
             assert await a.claim("r1", 10) == 1 and held(a) == [ok]  # bad1: read 1, back
-            assert await b.want(8, 5.0, 30.0)  # handed back: claimable, it wakes b
+            assert await a.commit(done([ok])) == [True]  # the readable one is served
+            assert await b.claim("r1", 10) == 0 and not await b.want(8, 5.0, 30.0)
+            await trio.sleep(IDLE + 0.1)  # Redis' clock: past the bound
+            assert await b.want(8, 5.0, 30.0)  # claimable again: it may wake b
             assert await b.claim("r1", 10) == 0  # read 2, back
-            assert await b.claim("r1", 10) == 0  # read 3: put aside
+            await trio.sleep(IDLE + 0.1)
+            assert await a.claim("r1", 10) == 0  # read 3: put aside
+            await trio.sleep(IDLE + 0.1)
             assert await b.claim("r1", 10) == 0 and not await b.want(8, 5.0, 30.0)
             got = await b.lookup("bad1")
             assert got.status == "failed" and got.error is not None
@@ -365,7 +371,6 @@ async def test_an_unreadable_entry_is_handed_back_twice_then_put_aside_failed(
             assert kept[b"eid"] == eid.encode() and kept[b"f.a"] == b"not json", kept
             assert kept[b"f.i"] == b"bad1" and b"field 'a'" in kept[b"why"], kept
             assert a.put_aside + b.put_aside == 1
-            assert await a.commit(done([ok])) == [True]
             assert stream_keys(redis) == []  # nothing left pending: the stream went too
             assert redis.command("HLEN", KEY + "unread") == 0
 
@@ -374,14 +379,18 @@ async def test_an_entry_without_a_readable_id_is_put_aside_without_a_result(
     redis: RedisServer,
 ) -> None:
     with trio.fail_after(20):
-        async with pool(redis, "a") as [a]:
-            await enqueue(a, "r1", 1)
+        async with pool(redis, "a", reclaim_idle=IDLE) as [a]:
+            [ok] = await enqueue(a, "r1", 1)
             raw_entry(redis, "r1", {"i": b"\xff\xfe", **GOOD})
-            for _ in range(3):
-                await a.claim("r1", 10)
+            assert await a.claim("r1", 10) == 1
+            assert await a.commit(done([ok])) == [True]
+            for _ in range(2):
+                await trio.sleep(IDLE + 0.1)  # Redis' clock: past the bound
+                assert await a.claim("r1", 10) == 0
             st = await stats(a)
-            assert (st["aside"], st["failed"]) == (1, 0), st
+            assert (st["aside"], st["failed"], st["returned"]) == (1, 0, 2), st
             assert redis.command("XLEN", KEY + "aside") == 1
+            assert stream_keys(redis) == []
 
 
 @pytest.mark.parametrize("dl", ["soon", "nan", "inf", "-1", ""])
@@ -427,3 +436,25 @@ async def test_a_repaired_revision_record_is_read_again_and_served(redis: RedisS
             assert a.revision("r3").path == "/ckpt/r3"
             assert await a.want(8, 5.0, 30.0)
             assert await a.claim(None, 8) == 1 and held(a) == [sid]
+
+
+async def test_the_deadline_index_forgets_entries_another_release_deleted(
+    redis: RedisServer,
+) -> None:
+    """An older release's COMMIT deletes an entry without its index member: the scan drops
+    the member instead of finding it due at every look; and a deadline Lua reads
+    otherwise than Python ('1_0': 10 s here) is not failed before it is due."""
+    with trio.fail_after(20):
+        async with pool(redis, "a") as [a]:
+            [gone, kept] = await enqueue(a, "r1", 2, deadline=0.05)
+            eid = redis.command("HGET", KEY + "where", gone)
+            assert isinstance(eid, bytes)
+            redis.command("XDEL", KEY + "q:r1", eid.split()[1])  # as an older release does
+            redis.command("HDEL", KEY + "where", gone)
+            raw_entry(redis, "r1", {"i": "odd1", **GOOD, "d": "1_0"})
+            await trio.sleep(0.2)  # past the short deadlines, measured by Redis' clock
+            assert await a.expire_pool() == 1  # kept only
+            assert (await a.lookup(kept)).status == "failed"
+            assert (await a.lookup("odd1")).status == "pending"
+            assert redis.command("ZCARD", KEY + "dl:r1") == 0
+            assert await a.expire_pool() == 0
