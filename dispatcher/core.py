@@ -69,6 +69,8 @@ from gpu_slicer.dispatcher.model import WEIGHT_CHECKS, Pending
 
 __all__ = [
     "KINDS",
+    "LOAD_BACKOFF_MAX_S",
+    "LOAD_BACKOFF_MIN_S",
     "MAX_N",
     "MAX_PARAMS_BYTES",
     "WEIGHT_CHECKS",
@@ -77,6 +79,7 @@ __all__ = [
     "batch_key",
     "batch_request_body",
     "commit_ok",
+    "load_retry_delay",
     "lone_surrogate",
     "next_revision",
     "parse_body",
@@ -89,6 +92,7 @@ __all__ = [
 ]
 
 KINDS = ("completion", "chat")
+LOAD_BACKOFF_MIN_S, LOAD_BACKOFF_MAX_S = 1.0, 30.0  # a failed load's first and usual bound
 MAX_N = 16
 MAX_PARAMS_BYTES = 1 << 20
 _MAX_TOKEN_ID = (1 << 31) - 1
@@ -470,6 +474,22 @@ def next_revision(store_pending_revisions: list[str], loaded: str | None) -> str
     if loaded is not None and loaded in store_pending_revisions:
         return loaded
     return store_pending_revisions[0] if store_pending_revisions else None
+
+
+def load_retry_delay(failures: int, refused: int, pooled: bool, cap: float) -> float:
+    """Seconds before a revision whose load failed is tried again on this replica.
+
+    ``failures`` failed loads in a row, ``refused`` of them refused by a replica still
+    healthy right after (the revision's fault). In pool mode a refused load backs off
+    by 4x from 1 s up to ``cap`` (``--load-backoff-max``): a path this node cannot read
+    costs its trainer a park at 0, 1, 5, 21, 85, 341 s, ... then one every ``cap``,
+    where the old 30 s cap cost one every 30 s until the deadline. Any other failure
+    (no answer, a replica that died with the load: the replica's fault, soon mended)
+    and every single-node failure doubles from 1 s up to 30 s (single-node mode fails
+    the requests after a few refusals instead)."""
+    if pooled and refused > 0:
+        return min(cap, LOAD_BACKOFF_MIN_S * 4.0 ** min(refused - 1, 64))
+    return min(LOAD_BACKOFF_MAX_S, LOAD_BACKOFF_MIN_S * 2.0 ** min(max(failures, 1) - 1, 64))
 
 
 def sleep_level(

@@ -3,6 +3,7 @@
     slicer-dispatch --workload sampler --replica http://127.0.0.1:8000 \\
         [--socket S] [--state-dir D] [--pool NAME] [--listen HOST:PORT | --listen-unix PATH]
         [--weight-check spans|label] [--max-send-errors N] [--max-load-failures N]
+        [--load-backoff-max S]
         [--no-check-revision-paths] [--sync normal|full] [--batch-prompts N]
         [--concurrency N] [--max-idle-connections N]
         [--sleep-level auto|1|2] [--lazy-sleep/--no-lazy-sleep] [--lazy-sleep-always]
@@ -283,6 +284,10 @@ def _bind(listen: str | None, listen_unix: str | None) -> str:
               show_default=True, help="unexpected send errors before a request fails")  # fmt: skip
 @click.option("--max-load-failures", type=click.IntRange(1), default=MAX_LOAD_FAILURES,
               show_default=True, help="refused loads until a revision's requests fail")  # fmt: skip
+@click.option("--load-backoff-max", type=startup.SECONDS, default=900.0, show_default=True,
+              help="pool mode: the longest wait before this replica tries again a revision "
+              "its vLLM refused to load (waits grow 4x from 1 s); its requests stay for "
+              "another replica, or fail at their deadline naming the load error")  # fmt: skip
 @click.option("--check-revision-paths/--no-check-revision-paths", default=True,
               show_default=True, help="publish only readable checkpoint dirs (off: the "
               "replica's file system is not this one's)")  # fmt: skip
@@ -328,6 +333,7 @@ def main(
     weight_check: str,
     max_send_errors: int,
     max_load_failures: int,
+    load_backoff_max: float,
     check_revision_paths: bool,
     sync: str,
     batch_prompts: int,
@@ -372,6 +378,7 @@ def main(
             weight_check=weight_check,
             max_send_errors=max_send_errors,
             max_load_failures=max_load_failures,
+            load_backoff_max=load_backoff_max,
             check_revision_paths=check_revision_paths,
             batch_prompts=batch_prompts,
             sleep_level=sleep_level,

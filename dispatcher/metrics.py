@@ -11,7 +11,9 @@ dispatcher") lists them:
 ``failed_total``, ``turns_total``, ``turn_errors_total``, ``loads_total``,
 ``load_failures_total``, ``sends_total``, ``batched_samples_total``,
 ``send_errors_total``, ``commits_total``, ``expired_total``, ``wasted_turns_total``,
-``rejects_total{reason}``.
+``rejects_total{reason}``; while a revision's load is backed off here,
+``slicer_dispatch_load_backoff_seconds{revision}`` (until it is tried again) and
+``load_backoff_failures{revision}`` (failed loads in a row) (gauges).
 
 In pool mode (``--queue``) also, from the pool's last poll (every dispatcher of a pool
 exports the same pool-wide values: aggregate them with ``max``, not ``sum``):
@@ -104,6 +106,16 @@ class DispatchCollector(Collector):
         yield one(
             "wasted_turns_total", "counter", "Turns granted (the replica woken: a park paid "
             "for) in which nothing was loaded or served.", c.wasted_turns,
+        )  # fmt: skip
+        backoff = sorted(st["load_backoff"].items())
+        yield family(
+            "load_backoff_seconds", "gauge", "Seconds until a revision whose load failed here "
+            "is tried again (0: due now; a series only while it is backed off).",
+            [({"revision": r}, b["retry_in_s"]) for r, b in backoff],
+        )  # fmt: skip
+        yield family(
+            "load_backoff_failures", "gauge", "Failed loads of the revision in a row here.",
+            [({"revision": r}, b["failures"]) for r, b in backoff],
         )  # fmt: skip
         rejects = [({"reason": r}, float(n)) for r, n in sorted(c.rejects.items())]
         yield family("rejects_total", "counter", "Answers not committed, by reason.", rejects)

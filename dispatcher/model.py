@@ -148,6 +148,9 @@ class TurnConfig:
     weight_check: str = "spans"  # one of WEIGHT_CHECKS
     max_send_errors: int = MAX_SEND_ERRORS
     max_load_failures: int = MAX_LOAD_FAILURES
+    # Pool mode: the longest wait between two loads of a revision this replica's vLLM
+    # refused (slicer-dispatch --load-backoff-max; core.load_retry_delay).
+    load_backoff_max: float = 900.0
     check_revision_paths: bool = True  # publish refuses a path that is no checkpoint dir
     batch_prompts: int = 1  # completion samples per send (dispatcher.serve); 1: one each
     sleep_level: str = "auto"  # one of SLEEP_LEVELS: vLLM's sleep level at a turn's end
@@ -254,9 +257,10 @@ class Counters:
 class LoadBackoff:
     """Failed loads of one revision in a row (clocks are trio's)."""
 
-    failures: int = 0  # every failed load: the backoff doubles with each
+    failures: int = 0  # every failed load: the backoff grows with each
     refused: int = 0  # of them, refused by a healthy replica (the revision's fault)
     retry_at: float = 0.0
+    delay: float = 0.0  # the wait chosen at the last failure (core.load_retry_delay)
     error: str = ""
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import array
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from gpu_slicer.dispatcher.model import Pending
 
@@ -105,6 +105,17 @@ class PendingView:
     store (every pending request of its pool) and the pool store (this replica's claims)."""
 
     _index: PendingIndex
+    # Set by the turn loop (explain_loads): why the weights of a revision would not load.
+    _load_error: Callable[[str], str | None] | None = None
+
+    def explain_loads(self, why: Callable[[str], str | None]) -> None:
+        """Name, in the error of a request that misses its deadline, the last failed
+        load of its revision's weights: ``why(revision)`` (None: no load of it failed)."""
+        self._load_error = why
+
+    def load_error(self, revision: str) -> str | None:
+        """The last failed load of ``revision`` as :meth:`explain_loads` tells it."""
+        return None if self._load_error is None else self._load_error(revision)
 
     def pending(self, revision: str | None = None) -> list[Pending]:
         """Pending requests (of ``revision``, or all) in acceptance order."""

@@ -49,6 +49,7 @@ log = logging.getLogger("dispatcher.pool")
 TICK_S = 1.0
 REPORT_TTL_S = 30
 ASK_TTL_S = 5.0  # a record of asking/holding not refreshed this long is dropped (dead)
+MAX_REPORTED_ERROR = 1000  # characters of another replica's load error named in ours
 ACQUIRE_WAIT_S = 5.0  # in pool mode ACQUIRE is re-sent this often: the backlog may be gone
 _OnStored = Callable[[bool], None]
 _OnError = Callable[[StoreError], None]
@@ -382,6 +383,19 @@ class PoolLink:
 
     async def _read_reports(self) -> None:
         self.replicas = await read_reports(self.store.conn)
+
+    def load_error(self, revision: str) -> str | None:
+        """The failed load of ``revision`` that another replica last reported (its
+        report's ``load_backoff``), naming the replica; None when none did."""
+        for name, report in sorted(self.replicas.items()):
+            if name == self.store.replica or not isinstance(report, dict):
+                continue
+            backoff = report.get("load_backoff")
+            b = backoff.get(revision) if isinstance(backoff, dict) else None
+            if isinstance(b, dict) and b.get("error"):
+                # Another release's report: its text is cut, whatever its size.
+                return f"replica {name}: {str(b['error'])[:MAX_REPORTED_ERROR]}"
+        return None
 
     def status(self) -> dict[str, Any]:
         """Pool mode's part of ``/status``: the link, this replica's claims, the pool."""

@@ -144,8 +144,9 @@ class PoolStore(PendingView):
         return list(self._entry.values())
 
     def deadline_error(self, p: Pending, now: float) -> str:
-        """The error of a request that missed its deadline (names pool and revision)."""
-        return deadline_error(p, now)
+        """The error of a request that missed its deadline (names pool and revision, and
+        the last failed load of its weights by any replica that reported one)."""
+        return deadline_error(p, now, self.load_error(p.revision))
 
     def expire(self, now: float) -> list[Pending]:
         """Unclaim the claimed requests past their deadline at ``now`` and queue their
@@ -154,7 +155,7 @@ class PoolStore(PendingView):
         due = self._index.due(now)
         for p in due:
             self._index.remove(p.id)
-            self.expired_failures.append((p, deadline_error(p, now)))
+            self.expired_failures.append((p, self.deadline_error(p, now)))
         return due
 
     # -- accepting -------------------------------------------------------------------
@@ -518,7 +519,7 @@ class PoolStore(PendingView):
                 p = Pending(sid, self.pool, rev, "", {}, None, None, accepted, accepted + dl, 0)
                 if p.deadline > int(now_ms) / 1000:
                     continue  # a field Lua read otherwise ("1_0"): not due as read here
-                err = deadline_error(p, int(now_ms) / 1000)
+                err = self.deadline_error(p, int(now_ms) / 1000)
             args += [id_b, rev, eid, b"f" + rev_b + b"\n" + err.encode()]
             failing.append(sid)
         if not failing:

@@ -65,7 +65,8 @@ is failed with an error that starts with ``SEND_FAILED`` and names the sample, p
 revision and the last error.
 
 One bad revision cannot stall the others: a failed load backs that revision off on its
-own (``LOAD_BACKOFF_MIN_S`` doubling to ``LOAD_BACKOFF_MAX_S``; :meth:`Serving.choose`
+own (:func:`~dispatcher.core.load_retry_delay`: from ``LOAD_BACKOFF_MIN_S`` doubling to
+``LOAD_BACKOFF_MAX_S``, in pool mode a refusal 4x to ``--load-backoff-max``; :meth:`Serving.choose`
 skips it meanwhile, so other revisions are loaded and served), and the turn ends as after
 any broken load (the next one recovers the replica first). A load that a replica still
 healthy right after refused with an HTTP error is the revision's fault (a path deleted by
@@ -97,7 +98,13 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from gpu_slicer.dispatcher.core import TurnPlan, next_revision
+from gpu_slicer.dispatcher.core import (
+    LOAD_BACKOFF_MAX_S,
+    LOAD_BACKOFF_MIN_S,
+    TurnPlan,
+    load_retry_delay,
+    next_revision,
+)
 from gpu_slicer.dispatcher.errors import ReplicaError, StoreError
 from gpu_slicer.dispatcher.events import EventStream
 from gpu_slicer.dispatcher.journal import Journal
@@ -134,7 +141,6 @@ __all__ = [
 
 log = logging.getLogger("dispatcher.serve")
 
-LOAD_BACKOFF_MIN_S, LOAD_BACKOFF_MAX_S = 1.0, 30.0  # a revision whose load failed waits
 LOAD_HEALTH_TIMEOUT_S = 5.0  # the /health probe that tells a refusal from a dead replica
 LOAD_FAILED = "load failed"  # how the error of a request failed by its revision starts
 
@@ -229,10 +235,19 @@ class Serving:
                 "failures": b.failures,
                 "refused": b.refused,
                 "retry_in_s": round(max(0.0, b.retry_at - now), 3),
+                "delay_s": b.delay,
                 "error": b.error,
             }
             for rev, b in self._load_backoff.items()
         }
+
+    def load_error(self, revision: str) -> str | None:
+        """Why this replica could not load ``revision`` (None: no failed load of it since
+        its last good one): for the error of a request that misses its deadline."""
+        b = self._load_backoff.get(revision)
+        if b is None:
+            return None
+        return f"{b.failures} failed load(s) in a row ({b.refused} refused), the last: {b.error}"
 
     def expire(self, now: float) -> None:
         """Fail the requests past their deadline at ``now`` (wall clock) and cancel their
@@ -431,7 +446,9 @@ class Serving:
         b.failures += 1
         b.refused += refused
         b.error = str(e)
-        delay = min(LOAD_BACKOFF_MAX_S, LOAD_BACKOFF_MIN_S * 2 ** (b.failures - 1))
+        delay = load_retry_delay(b.failures, b.refused, self.pool is not None,
+                                 self.cfg.load_backoff_max)  # fmt: skip
+        b.delay = delay
         b.retry_at = trio.current_time() + delay
         limit = self.cfg.max_load_failures
         if self.pool is not None:

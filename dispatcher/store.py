@@ -121,12 +121,14 @@ def _check_name(what: str, name: object) -> str:
     return name
 
 
-def deadline_error(p: Pending, now: float) -> str:
-    """The error text of a request that missed its deadline (names pool and revision)."""
+def deadline_error(p: Pending, now: float, load_error: str | None = None) -> str:
+    """The error text of a request that missed its deadline (names pool and revision,
+    and ``load_error``: why its weights would not load, when a load of them failed)."""
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(p.accepted_at))
+    why = "" if load_error is None else f"; its weights could not be loaded: {load_error}"
     return (
         f"deadline exceeded: pool {p.pool} revision {p.revision} pending since {since} "
-        f"({now - p.accepted_at:.0f} s, deadline {p.deadline - p.accepted_at:.0f} s)"
+        f"({now - p.accepted_at:.0f} s, deadline {p.deadline - p.accepted_at:.0f} s){why}"
     )
 
 
@@ -582,8 +584,9 @@ class Store(PendingView):
         return due
 
     def deadline_error(self, p: Pending, now: float) -> str:
-        """The error text of a request that missed its deadline (names pool and revision)."""
-        return deadline_error(p, now)
+        """The error text of a request that missed its deadline (names pool and revision,
+        and the last failed load of its weights)."""
+        return deadline_error(p, now, self.load_error(p.revision))
 
     # -- figures ---------------------------------------------------------------------
 

@@ -242,6 +242,7 @@ class TurnLoop:
             cfg, store, replica, self.serving, self.recovery, counters=self.counters,
             events=self.events, enter=self._enter, off=pool is not None,
         )  # fmt: skip
+        store.explain_loads(self._load_error)
         if pool is not None:
             pool.bind(self.serving.signal, self._figures,
                       lambda: self.serving.backed_off(trio.current_time()))  # fmt: skip
@@ -505,6 +506,13 @@ class TurnLoop:
             "problem": self.health.problem_json(),
             **({"pool_mode": self.pool.status()} if self.pool else {}),
         }
+
+    def _load_error(self, revision: str) -> str | None:
+        own = self.serving.load_error(revision)
+        if own is not None:
+            name = self.pool.store.replica if self.pool else self.cfg.workload
+            return f"replica {name} (this one): {own}"
+        return self.pool.load_error(revision) if self.pool else None
 
     def _figures(self) -> dict[str, Any]:
         """This replica's figures for the pool's status (pool mode)."""

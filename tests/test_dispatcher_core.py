@@ -14,6 +14,7 @@ from gpu_slicer.dispatcher.core import (
     WEIGHT_CHECKS,
     TurnPlan,
     commit_ok,
+    load_retry_delay,
     lone_surrogate,
     next_revision,
     parse_body,
@@ -325,3 +326,48 @@ def test_the_base_revision_flag_takes_a_revision_name_or_nothing(
 def test_a_base_revision_that_is_no_revision_name_is_a_usage_error(text: str) -> None:
     with pytest.raises(click.BadParameter):
         check_base_revision(None, None, text)  # type: ignore[arg-type]
+
+
+def _tries(hours: float, pooled: bool, refused: bool, cap: float = 900.0) -> list[float]:
+    """When a revision no replica can load is tried (each try: one trainer park)."""
+    at, n, out = 0.0, 0, []
+    while at < hours * 3600:
+        out.append(at)
+        n += 1
+        at += load_retry_delay(n, n if refused else 0, pooled, cap)
+    return out
+
+
+def test_a_pool_revision_no_replica_can_load_costs_a_few_parks_an_hour() -> None:
+    """Refused loads in pool mode wait 1, 4, 16, ... s up to the cap (900 s by default):
+    4 tries in the first minute, 5 in the rest of the first hour, 4 an hour after. The
+    old schedule (doubling to 30 s, still what a replica's own faults get) tried 124
+    times in the first hour."""
+    tries = _tries(3, pooled=True, refused=True)
+    assert tries[:6] == [0, 1, 5, 21, 85, 341]
+    first_hour = [t for t in tries if t < 3600]
+    assert len([t for t in first_hour if t < 60]) == 4
+    assert len([t for t in first_hour if t >= 60]) == 5
+    assert len([t for t in tries if 3600 <= t < 7200]) == 4
+    assert len(_tries(1, pooled=True, refused=False)) == 124  # the replica's fault
+    assert len(_tries(1, pooled=False, refused=True)) == 124  # single node: fails at 3
+    assert len([t for t in _tries(3, True, True, cap=3600) if 3600 <= t < 7200]) == 1
+
+
+@pytest.mark.parametrize(
+    ("failures", "refused", "pooled", "cap", "want"),
+    [
+        (1, 1, True, 900, 1.0),
+        (3, 3, True, 900, 16.0),
+        (7, 7, True, 900, 900.0),
+        (10**6, 10**6, True, 900, 900.0),  # no overflow however long it failed
+        (3, 0, True, 900, 4.0),  # no answer: the replica's fault, doubling
+        (9, 0, True, 900, 30.0),
+        (9, 9, False, 900, 30.0),  # single node
+        (10**6, 0, False, 900, 30.0),
+        (2, 2, True, 0.5, 0.5),  # a cap below the first step
+    ],
+)
+def test_load_retry_delay(failures: int, refused: int, pooled: bool, cap: float,
+                          want: float) -> None:  # fmt: skip
+    assert load_retry_delay(failures, refused, pooled, cap) == want

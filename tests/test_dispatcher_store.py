@@ -101,6 +101,22 @@ def test_expire_names_pool_and_revision(tmp_path: Path) -> None:
         assert s.counts() == {"pending": 0, "done": 1, "failed": 2}
 
 
+def test_a_missed_deadline_names_the_last_failed_load_of_its_weights(tmp_path: Path) -> None:
+    with Store(tmp_path, "pool-a") as s:
+        s.publish("r1", "/ckpt/r1")
+        s.publish("r2", "/ckpt/r2")
+        a = s.accept("completion", {"prompt": [1]}, "r1", 10, now=1000.0)
+        b = s.accept("completion", {"prompt": [1]}, "r2", 10, now=1000.0)
+        s.explain_loads(lambda rev: "replica x: HTTP 500: gone" if rev == "r2" else None)
+        assert [p.id for p in s.expire(1010.0)] == [a.id, b.id]
+        ea, eb = s.get(a.id).error, s.get(b.id).error
+        assert ea is not None and eb is not None
+        assert ea.startswith("deadline exceeded: pool pool-a revision r1 ") and ";" not in ea
+        assert eb.startswith("deadline exceeded: pool pool-a revision r2 "), eb
+        assert eb.endswith("(10 s, deadline 10 s); its weights could not be loaded: "
+                           "replica x: HTTP 500: gone"), eb  # fmt: skip
+
+
 def test_revisions(tmp_path: Path) -> None:
     with Store(tmp_path, "pool-a") as s:
         assert s.newest() is None and s.revisions() == []

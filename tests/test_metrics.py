@@ -246,6 +246,8 @@ DISPATCH_SERIES = {
     "slicer_dispatch_pending": "gauge",
     "slicer_dispatch_in_flight": "gauge",
     "slicer_dispatch_store_damaged": "gauge",
+    "slicer_dispatch_load_backoff_seconds": "gauge",  # no sample unless backed off
+    "slicer_dispatch_load_backoff_failures": "gauge",
     **{
         f"slicer_dispatch_{name}": "counter"
         for name in [
