@@ -169,7 +169,8 @@ async def _run(
             )
             queue = PoolStore(conn, pool.replica, reclaim_idle=pool.reclaim_idle,
                               result_ttl=pool.result_ttl)  # fmt: skip
-            link = PoolLink(queue, cfg.concurrency * cfg.batch_prompts, pool.patience)
+            link = PoolLink(queue, cfg.concurrency * cfg.batch_prompts, pool.patience,
+                            cfg.turn_seconds)  # fmt: skip
             log.info("pool %s on %s as %s (reclaim idle %g s)", pool.pool, conn.shown,
                      queue.consumer, pool.reclaim_idle)  # fmt: skip
         else:

@@ -38,6 +38,7 @@ import trio
 from gpu_slicer.dispatcher.errors import DispatchError, NotFound, StoreError
 from gpu_slicer.dispatcher.model import Pending, Result
 from gpu_slicer.dispatcher.poolconn import CALL_TIMEOUT_S
+from gpu_slicer.dispatcher.poolrate import ServiceRate, pool_rate, turn_capacity
 from gpu_slicer.dispatcher.poolstore import PoolStore
 from gpu_slicer.dispatcher.poolsummary import read_reports
 from gpu_slicer.dispatcher.rows import Finish, Staged
@@ -154,11 +155,18 @@ class PoolLink:
     acquire_wait = ACQUIRE_WAIT_S  # ACQUIRE is re-sent this often in pool mode
     hand_back_timeout = CALL_TIMEOUT_S  # what a turn's end spends on handing claims back
 
-    def __init__(self, store: PoolStore, concurrency: int, patience: float = 30.0) -> None:
+    def __init__(
+        self, store: PoolStore, concurrency: int, patience: float = 30.0,
+        turn_seconds: float = 30.0,
+    ) -> None:  # fmt: skip
         self.store = store
         self.journal = PoolJournal(store)
         self.concurrency = concurrency
         self.patience = patience
+        self.turn_seconds = turn_seconds
+        self.rate = ServiceRate()  # this replica's, measured over its turns
+        self._capacity_shown: int | None = None
+        self._publish: Callable[..., object] = lambda event, **fields: None
         self._asking = False  # recorded in the pool as asking for (or holding) a turn
         self.empty_turns = 0  # granted turns that found nothing left to claim
         self.replicas: dict[str, dict[str, Any] | None] = {}  # the pool's replica reports
@@ -175,12 +183,29 @@ class PoolLink:
         signal: Callable[[], None],
         figures: Callable[[], dict[str, Any]],
         avoid: Callable[[], list[str]] = list,
+        publish: Callable[..., object] | None = None,
     ) -> None:
         """Wake the turn loop with ``signal``; ``figures`` gives this replica's report,
-        ``avoid`` the revisions it cannot serve now."""
+        ``avoid`` the revisions it cannot serve now, ``publish(event, **fields)`` puts an
+        event on the dispatcher's stream (``capacity``: what one turn here serves)."""
         self._signal = signal
         self._figures = figures
         self._avoid = avoid
+        if publish is not None:
+            self._publish = publish
+
+    def capacity(self) -> int:
+        """What this replica covers of the pool's backlog when it asks or holds a turn:
+        what it serves in one turn (:mod:`dispatcher.poolrate`)."""
+        return turn_capacity(self.concurrency, self._rate(), self.turn_seconds)
+
+    def _rate(self) -> float | None:
+        if self.rate.per_s is not None:
+            return self.rate.per_s
+        return pool_rate(
+            r.get("rate_per_s") for n, r in self.replicas.items()
+            if n != self.store.replica and isinstance(r, dict)
+        )  # fmt: skip
 
     # -- the turn hooks --------------------------------------------------------------
 
@@ -194,7 +219,7 @@ class PoolLink:
             return True
         try:
             self._asking = await self.store.want(
-                self.concurrency, ASK_TTL_S, self.patience, self.avoid()
+                self.capacity(), ASK_TTL_S, self.patience, self.avoid()
             )
         except StoreError:
             self._asking = False
@@ -221,7 +246,8 @@ class PoolLink:
         if not self._holding:
             self._holding = self._asking = True
             self._claimed_this_turn = 0
-            await self.store.hold(self.concurrency, ASK_TTL_S, granted=True)
+            await self.store.hold(self.capacity(), ASK_TTL_S, granted=True)
+        self.rate.step(trio.current_time(), in_flight, self.store.counts()["done"])
         if self.store.conn.down is not None:
             await self.store.poll()  # a call: raises while Redis is still down
         held = len(self.store.pending())
@@ -236,6 +262,8 @@ class PoolLink:
         """At a turn's end (shielded by the caller): give back what was not finished."""
         if self._holding and not self._claimed_this_turn:
             self.empty_turns += 1
+        if self._holding:
+            self.rate.turn_ended(self.store.counts()["done"])
         self._holding = self._asking = False
         try:
             # One bound for both calls: the turn's end bound counts CALL_TIMEOUT_S once.
@@ -339,7 +367,7 @@ class PoolLink:
             if self.store.claimable_hint > 0:
                 self._signal()
             if self._asking:
-                await self._quietly(partial(self.store.hold, self.concurrency, ASK_TTL_S,
+                await self._quietly(partial(self.store.hold, self.capacity(), ASK_TTL_S,
                                             granted=self._holding))  # fmt: skip
             await self._quietly(self.store.store_expired)
             await self._quietly(self.store.expire_pool)
@@ -350,6 +378,7 @@ class PoolLink:
             if now - reported >= 2 * TICK_S and await self._quietly(self._report):
                 reported = now
                 await self._quietly(self._read_reports)
+            self._show_capacity()
             if not self.store.revisions():
                 await self._quietly(self.store.refresh_revisions)
             await self._quietly(self.store.recheck_bad_revisions)
@@ -369,9 +398,21 @@ class PoolLink:
             return False
         return True
 
+    def _show_capacity(self) -> None:
+        cap = self.capacity()
+        if cap != self._capacity_shown:
+            self._capacity_shown = cap
+            self._publish("capacity", turn_capacity=cap, rate_per_s=self._rate_shown(),
+                          measured_here=self.rate.per_s is not None)  # fmt: skip
+
+    def _rate_shown(self) -> float | None:
+        rate = self._rate()
+        return None if rate is None else round(rate, 3)
+
     async def _report(self) -> None:
         figures = {
             **self._figures(),
+            "rate_per_s": None if self.rate.per_s is None else round(self.rate.per_s, 3),
             "consumer": self.store.consumer,
             "reclaim_idle_s": self.store.reclaim_idle,
             "updated_at": time.time(),
@@ -417,6 +458,10 @@ class PoolLink:
             "lost_claims": s.lost_claims,
             "held_back": s.held_back,
             "empty_turns": self.empty_turns,
+            # What one turn here serves: covers that much of the backlog when asking.
+            "turn_capacity": self.capacity(),
+            "rate_per_s": self._rate_shown(),
+            "rate_measured_here": self.rate.per_s is not None,
             # Returned and reclaimable entries are in the PEL ("claimed") too.
             "pending": {r: v["unclaimed"] + v["claimed"] for r, v in summary.revisions.items()},
             "revisions": summary.revisions,

@@ -245,7 +245,8 @@ class TurnLoop:
         store.explain_loads(self._load_error)
         if pool is not None:
             pool.bind(self.serving.signal, self._figures,
-                      lambda: self.serving.backed_off(trio.current_time()))  # fmt: skip
+                      lambda: self.serving.backed_off(trio.current_time()),
+                      self.events.publish)  # fmt: skip
         self._current: TurnState | None = None
         self._connect = connect or (lambda: _connect_default(cfg.socket))
         self._slicer: AsyncSlicer | None = None

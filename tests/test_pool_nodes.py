@@ -321,6 +321,48 @@ async def test_one_pending_request_wakes_one_replica_not_every_node(tmp_path: Pa
             pool.check_alive()
 
 
+async def test_a_burst_one_replica_serves_in_one_turn_wakes_one_replica(tmp_path: Path) -> None:
+    """What a replica covers of the backlog is what it serves in one turn (its measured
+    rate x --turn-seconds), not its --concurrency: a burst of 33 with 8 slots a replica
+    used to wake every node (33 > 8, > 16, > 24); one replica serves it in one turn."""
+    with trio.fail_after(90), RedisServer(tmp_path / "redis") as redis:
+        dargs = ["--turn-seconds", "5", "--turn-grace", "2", "--concurrency", "8"]
+        async with running_pool(3, redis, trainer_work=(1.0,), dispatch_args=dargs) as pool:
+            fronts = pool.fronts
+            await publish(fronts[0], "r1", pool.base)
+            capacity: dict[str, int] = {}
+            known = trio.Event()
+            async with trio.open_nursery() as nursery:
+                for node in pool.nodes:
+
+                    def seen(ev: dict[str, Any], name: str = node.name) -> None:
+                        if ev.get("event") == "capacity":
+                            capacity[name] = ev["turn_capacity"]
+                            if len(capacity) == 3 and min(capacity.values()) >= 33:
+                                known.set()
+
+                    await nursery.start(follow_events, node.front, seen)
+                # Turns of 8 or more results measure a rate; the others learn it from
+                # the reports (the median of what the others measured).
+                warm = await submit_many(fronts, 120, prefix="w")
+                check_results(warm, await results(fronts[0], [s.id for s in warm]))
+                await known.wait()
+                nursery.cancel_scope.cancel()
+            before, served = await turn_figures(pool), pool.served()
+            burst = await submit_many([fronts[1]], 33, prefix="burst")
+            check_results(burst, await results(fronts[2], [s.id for s in burst]))
+            after, served_after = await turn_figures(pool), pool.served()
+            d = [tuple(x - y for x, y in zip(a, b, strict=True))
+                 for a, b in zip(after, before, strict=True)]  # fmt: skip
+            print(f"burst of 33: per node (turns, grants, empty turns, held back) {d}; "
+                  f"capacity {capacity}")  # fmt: skip
+            assert sorted(x[1] for x in d) == [0, 0, 1], d  # one replica woken
+            assert sum(x[2] for x in d) == 0, d  # none for nothing
+            woken = pool.nodes[next(i for i, x in enumerate(d) if x[1])].name
+            assert served_after.get(woken, 0) - served.get(woken, 0) == 33, (served, served_after)
+            pool.check_alive()
+
+
 async def test_an_unreadable_revision_record_takes_no_dispatcher_down(tmp_path: Path) -> None:
     with trio.fail_after(90), RedisServer(tmp_path / "redis") as redis:
         dargs = ["--turn-seconds", "0.3", "--turn-grace", "1", "--concurrency", "8"]
