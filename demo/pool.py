@@ -34,8 +34,9 @@ per node (turns, handoffs, trainer parks, GPU busy fraction, overlaps) and the p
 summary: requests served per replica, results per revision, lost, failed, duplicates,
 reclaimed and returned, turns granted to the replicas per request served (each such turn
 parked that node's trainer), and each dispatcher's ``held_back`` (times it did not ask
-for a turn because other replicas covered the backlog) and ``empty_turns`` (turns that
-found nothing left to claim).
+for a turn because other replicas covered the backlog), ``empty_turns`` (turns that
+found nothing left to claim) and ``wasted_turns`` (turns woken for, a trainer parked, in
+which nothing was loaded or served: the waste count, printed as ``waste:``).
 
 Exit status 0 only when every request was served once from its revision (none lost,
 none failed, no duplicate), every replica served some (when one revision's requests
@@ -266,7 +267,8 @@ def _node_figures(name: str, rec: Recording, run: Run) -> dict[str, Any]:
     a = analyze(rec, [TRAINER, REPLICA])
     problems = [f"{name}: {p}" for p in common_problems(a, run.overlaps.get(name, 0))]
     turns = {w: sum(1 for t in a["turns"] if t["workload"] == w) for w in (TRAINER, REPLICA)}
-    pm = run.statuses.get(name, {}).get("pool_mode", {})
+    st = run.statuses.get(name, {})
+    pm = st.get("pool_mode", {})
     return {
         "trainer_turns": turns[TRAINER],
         "replica_turns": turns[REPLICA],
@@ -278,6 +280,9 @@ def _node_figures(name: str, rec: Recording, run: Run) -> dict[str, Any]:
         "concurrent_turns": len(a["concurrent"]),
         "held_back": pm.get("held_back"),
         "empty_turns": pm.get("empty_turns"),
+        # Granted and woken for (its trainer parked) with nothing loaded or served.
+        "wasted_turns": st.get("counters", {}).get("wasted_turns"),
+        "turn_capacity": pm.get("turn_capacity"),
         "served": run.served.get(name, 0),
         "exit_codes": run.exit_codes.get(name, {}),
         "problems": problems,
@@ -361,6 +366,7 @@ def build_pool_report(opts: argparse.Namespace, run: Run, base: Path) -> dict[st
             "parks_per_request": round(replica_turns / good, 4) if good else None,
             "held_back": sum(fig["held_back"] or 0 for fig in nodes.values()),
             "empty_turns": sum(fig["empty_turns"] or 0 for fig in nodes.values()),
+            "wasted_turns": sum(fig["wasted_turns"] or 0 for fig in nodes.values()),
         },
         "overlaps": run.overlaps,
         "overlap_log": run.overlap_log,
@@ -431,7 +437,7 @@ def render_pool(r: dict[str, Any]) -> str:
         "",
         "per node",
         "  node   trainer turns  replica turns  handoffs  trainer parks  GPU busy  served"
-        "  held_back  empty_turns  overlaps",
+        "  held_back  empty_turns  wasted  overlaps",
     ]
     for name, n in r["nodes"].items():
         out.append(
@@ -439,6 +445,7 @@ def render_pool(r: dict[str, Any]) -> str:
             f"{n['handoffs']:>8}  {n['trainer_parks']:>13}  {n['busy_fraction'] * 100:>7.1f}%  "
             f"{n['served']:>6}  {n['held_back'] if n['held_back'] is not None else '-':>9}  "
             f"{n['empty_turns'] if n['empty_turns'] is not None else '-':>11}  "
+            f"{n['wasted_turns'] if n['wasted_turns'] is not None else '-':>6}  "
             f"{n['overlaps'] if n['overlaps'] is not None else '-':>8}"
         )
     per = ", ".join(f"{rev} {k}" for rev, k in q["per_revision"].items()) or "-"
@@ -456,6 +463,8 @@ def render_pool(r: dict[str, Any]) -> str:
         f"  turns granted to the replicas: {p['replica_turns']} for {q['from_their_revision']} "
         f"requests: {ppr} parks per request (each parked that node's trainer)",
         f"  held_back {p['held_back']}, empty_turns {p['empty_turns']} (all dispatchers)",
+        f"  waste: {p['wasted_turns']} wasted turns of {p['replica_turns']} (a replica woken, "
+        "its node's trainer parked, nothing loaded or served)",
         "  overlaps: " + ", ".join(f"{k} {v}" for k, v in r["overlaps"].items()),
     ]
     if r["png"] is not None:

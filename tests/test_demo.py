@@ -205,9 +205,11 @@ def test_demo_pool_serves_every_request_once_across_three_nodes(tmp_path: Path) 
         assert n["faults"] == n["concurrent_turns"] == 0, (name, n)
         assert n["trainer_turns"] >= 1, (name, n)
         assert isinstance(n["held_back"], int) and isinstance(n["empty_turns"], int), (name, n)
+        assert isinstance(n["wasted_turns"], int) and n["turn_capacity"] >= 1, (name, n)
     # parks per request: the replicas' turns (each parks a trainer) over requests served
     assert 1 <= pool["replica_turns"] <= 80, why
     assert pool["parks_per_request"] == round(pool["replica_turns"] / 80, 4)
+    assert pool["wasted_turns"] == sum(n["wasted_turns"] for n in r["nodes"].values()), why
     # the timeline: two rows per node, a replica's '#' never beside its own trainer's
     rows = r["timeline"]["rows"]
     assert list(rows) == [f"node{i} {w}" for i in range(3) for w in ("trainer", "replica")]
