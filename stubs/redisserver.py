@@ -155,9 +155,10 @@ class RedisServer:
             "protected-mode": "no",
             "loglevel": "notice",
             "logfile": _quoted(str(self.log)),
-            # What README "Pools across nodes" recommends: with the default 4096 a prompt of
-            # ~1,000 tokens fills a stream node alone and costs ~5.3 bytes a token.
-            "stream-node-max-bytes": "65536",
+            # What README "Pools across nodes" recommends: one entry a stream node, so a
+            # served request frees its node and a sparse backlog costs what a dense one
+            # does (bench/pool_sparse.py).
+            "stream-node-max-entries": "1",
             **self.extra,
         }
         return "".join(f"{k} {v}\n" for k, v in directives.items())

@@ -658,6 +658,9 @@ def test_pool_redis_persists_every_write_before_it_answers() -> None:
     assert opts["--appendfsync"] == "always"  # nothing acknowledged is lost on a crash
     assert opts["--save"] == ""  # no RDB: the AOF is the one copy
     assert opts["--maxmemory-policy"] == "noeviction"  # an evicted key is a lost request
+    # A served request frees its stream node: a backlog with holes costs what a dense one
+    # does (README "Pools across nodes", Memory).
+    assert opts["--stream-node-max-entries"] == "1"
     assert sts["spec"]["replicas"] == 1
     (claim,) = sts["spec"]["volumeClaimTemplates"]
     assert _mount_name_at(redis, opts["--dir"]) == claim["metadata"]["name"]
