@@ -381,11 +381,6 @@ class Replica:
         """``GET /is_paused`` (also true while asleep)."""
         return bool(await self._field("GET", "/is_paused", "is_paused", bool, timeout))
 
-    async def resume(self, timeout: float = CONTROL_TIMEOUT_S) -> None:
-        """``POST /resume``: end a pause."""
-        self.epoch += 1
-        await self._json("POST", "/resume", timeout)
-
     async def model_root(self, timeout: float = CONTROL_TIMEOUT_S) -> str:
         """What vLLM was started with (``vllm serve MODEL``): ``GET /v1/models``' first
         card's ``root``, a directory or a hub name."""

@@ -230,7 +230,6 @@ _BOUNDED: list[tuple[str, float]] = [
     ("sleep", 300),
     ("is_sleeping", 30),
     ("is_paused", 30),
-    ("resume", 30),
     ("weight_version", 30),
     ("load", 1800),
     ("finish_open_update", 30),
