@@ -32,6 +32,27 @@ from gpu_slicer import proto
 from gpu_slicer.launcher.config import LaunchConfig, log
 from gpu_slicer.slicer.client import AsyncSlicer, ClientError, Faulted, Unreachable, socket_path
 
+WHY_TIMEOUT_S = 2.0  # for the STATUS read that says why a park was asked
+UNKNOWN_WHY = (
+    "its turn has ended with it still on the GPU (slicerd's log and `slicerctl watch` "
+    "park-asked say why)"
+)
+
+
+def park_reason(status: dict[str, Any], workload: str) -> str | None:
+    """The ``park_reason`` of the GPU of ``workload`` in a STATUS answer (None: none)."""
+    rows = status.get("workloads")
+    gpus = status.get("gpus")
+    if not isinstance(rows, list) or not isinstance(gpus, list):
+        return None
+    for w in rows:
+        if isinstance(w, dict) and w.get("name") == workload:
+            for g in gpus:
+                if isinstance(g, dict) and g.get("index") == w.get("gpu"):
+                    why = g.get("park_reason")
+                    return why if isinstance(why, str) else None
+    return None
+
 
 def _why(e: BaseException) -> str:
     """A short reason (TooSlowError has no text)."""
@@ -170,16 +191,9 @@ class Registration:
 
     async def _park(self, conn: AsyncSlicer, ask: proto.ParkAsk) -> None:
         """slicerd asks us to park the workload (nobody else can): do it, answer."""
-        # The PARK line carries no reason (a key would break older launchers' parsers):
-        # known here is only that slicerd needs the GPU back and found the workload on it.
-        # slicerd's log and WATCH `park-asked` name the reason.
-        log.warning(
-            "slicerd asks to park %s (turn %d): its turn has ended with it still on the GPU "
-            "(a lazy release that another workload waits behind, or a holder that closed "
-            "mid-turn: slicerd's log and `slicerctl watch` (park-asked) say which)",
-            ask.workload,
-            ask.turn,
-        )
+        why = await self._why_asked(ask.workload)
+        log.warning("slicerd asks to park %s (turn %d): %s", ask.workload, ask.turn,
+                    why or UNKNOWN_WHY)  # fmt: skip
         ok = False
         # slicerd waits this long for our answer; past it, it goes on without us.
         window = ask.timeout_ms / 1000 if ask.timeout_ms is not None else 60.0
@@ -200,6 +214,21 @@ class Registration:
         except ClientError as e:
             # not-asked: slicerd's window passed and it went on.
             log.warning("PARKED answer refused: %s %s", e.code, e.text)
+
+    async def _why_asked(self, workload: str) -> str | None:
+        """Why slicerd asked: its STATUS ``park_reason`` for the GPU of ``workload``, read
+        on a connection of its own (the PARK line has no room for it: its parser refuses
+        unknown keys, older launchers' too). None when it cannot be read in
+        `WHY_TIMEOUT_S`: the ask waits for our answer, so this goes first, bounded."""
+        with trio.move_on_after(WHY_TIMEOUT_S):
+            try:
+                async with await AsyncSlicer.connect(self.socket, timeout=WHY_TIMEOUT_S) as c:
+                    st = await c.status()
+            except (ClientError, proto.ProtocolError) as e:
+                log.debug("the park's reason is not known: %s", _why(e))
+                return None
+            return park_reason(st, workload)
+        return None
 
     async def aclose(self) -> None:
         """Close the connection: the daemon ends the registration."""

@@ -226,6 +226,7 @@ class Op:
     workload: Workload
     reply_conn: ConnId | None = None
     stage: ParkStage = ParkStage.VERIFY
+    why: str | None = None  # a park that asked its registrant: why (STATUS park_reason)
     need: int = 0  # a VERIFY op: the free bytes the grant needs (a restore's)
     # A freeze for this waiter's early start (`slicer.early`): EARLY goes to it alone, and
     # only while it is the queue head (a re-ACQUIRE is another waiter, asking anew).

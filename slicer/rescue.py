@@ -84,7 +84,12 @@ def _ask(op: Op, asker: ConnId, timeout: float, now: float, reason: str) -> list
     if reason == "holder-closed":
         why = "its holder closed its connection mid-turn"
     else:  # its own park (or a lazy release) left it there
-        why = f"its turn ended with it still on the GPU ({reason})"
+        why = (
+            f"its holder released its turn with it still on the GPU ({reason}: a lazy "
+            f"release, a sleep that failed, or a park that left memory behind), and the "
+            f"GPU is needed"
+        )
+    op.why = why
     return [
         event("park-asked", w, now, reason=reason, timeout_s=timeout),
         AskPark(op.op_id, asker, w.name, w.last_turn, timeout, why),

@@ -38,6 +38,8 @@ def status_body(
                 "stage": (
                     str(gpu.op.stage) if gpu.op is not None and gpu.op.kind is OpKind.PARK else None
                 ),
+                # Why the registrant was asked to park (it reads this: PARK has no room).
+                "park_reason": gpu.op.why if gpu.op is not None else None,
                 "dirty": gpu.dirty,
                 "foreign": list(gpu.foreign),
             }

@@ -192,6 +192,9 @@ async def test_a_trainer_asking_gets_the_awake_replica_slept_by_its_launcher(lev
             # Asked, answered, verified parked (by its own sleep: no checkpoint), granted.
             assert event_index(seen, "park-asked", "v") < event_index(seen, "park-answered", "v")
             assert seen[event_index(seen, "park-answered", "v")]["ok"] is True, seen
+            # The launcher's line names the real reason: its holder is alive, it released.
+            why = lw.lines[await lw.line(lambda s: "slicerd asks to park v" in s)]
+            assert "its holder released its turn with it still on the GPU" in why, why
             parked = seen[event_index(seen, "parked", "v")]
             assert parked["how"] == "cooperative", parked
             assert event_index(seen, "park-answered", "v") < event_index(seen, "parked", "v")
@@ -203,9 +206,9 @@ async def test_a_trainer_asking_gets_the_awake_replica_slept_by_its_launcher(lev
             assert f"parked on slicerd's request: slept (level {level})" in lw.output()
             # Both logs say why it was asked: its turn ended (lazily) with it on the GPU;
             # its holder is alive.
-            assert "its turn has ended with it still on the GPU" in lw.output()
+            assert "asks to park v (turn 2): its holder released its turn with it" in lw.output()
             assert "holder is gone" not in lw.output()
-            said = "asking the registrant of v to park it: its turn ended with it still on"
+            said = "asking the registrant of v to park it: its holder released its turn"
             assert stack.log is not None and said in stack.log.read_text()
             before = (await status(http))["counters"]
             smark = len(lw.lines)

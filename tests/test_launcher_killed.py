@@ -96,9 +96,9 @@ async def test_a_killed_launcher_takes_its_vllm_with_it_and_the_gpu_grants_again
                         await lw.text(lambda s: "sleep held (hang_sleep fault)" in s)
                         n.cancel_scope.cancel()
                     # Both logs say why it is asked: a lazy release, its holder is alive.
-                    assert "its turn has ended with it still on the GPU" in lw.output()
+                    assert "its holder released its turn with it still on the GPU" in lw.output()
                     assert "holder is gone" not in lw.output()
-                    said = "asking the registrant of v to park it: its turn ended with it still"
+                    said = "asking the registrant of v to park it: its holder released its turn"
                     assert stack.log is not None and said in stack.log.read_text()
                 lw.proc.kill()
                 await lw.wait()

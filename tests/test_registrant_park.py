@@ -101,6 +101,14 @@ async def test_dispatcher_killed_in_any_phase_the_launcher_parks_the_replica(pha
                         lambda e: e["event"] == "granted" and e["workload"] == "trainer",
                         seen,
                     )
+                    why = lw.lines[await lw.line(lambda s: "slicerd asks to park v" in s)]
+                    # Killed mid-turn: its holder closed. In the sleep phase the held
+                    # sleep may also be the launcher's own, after a lazy release that came
+                    # before the trainer queued: its holder released. The line says which.
+                    reasons = ["its holder closed its connection mid-turn"]
+                    if phase == "sleep":
+                        reasons.append("its holder released its turn with it still on the GPU")
+                    assert any(r in why for r in reasons), why
                     # Asked, answered, verified parked, and only then the trainer.
                     assert event_index(seen, "park-answered", "v") < event_index(
                         seen, "parked", "v"

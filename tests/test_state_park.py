@@ -58,6 +58,8 @@ def test_dead_holder_asks_the_registrant_and_grants_after_its_verified_park(d: D
     coop(d)
     assert holder_dies_while_b_waits(d) == [("PARK", RA, "a", 1)]
     assert d.gpu(0)["busy"] == "park" and d.gpu(0)["stage"] == "ask"
+    # What the registrant reads (STATUS) to say why: PARK has no room for it.
+    assert d.gpu(0)["park_reason"] == "its holder closed its connection mid-turn"
     # The registrant's word is checked through the backend before anyone is granted.
     assert answer(d, RA, "a", 1) == [("ok", RA), ("park", "a", "cooperative")]
     assert d.park_done() == [("grant", D2, "b", 2, False)]
