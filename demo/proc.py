@@ -90,8 +90,9 @@ def child_env(base: Path, bandwidth: str) -> dict[str, str]:
 
 
 def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """Start `argv` in a session (process group) of its own, output to `log`."""
-    return stubs.proc.spawn(argv, env, log)
+    """Start `argv` in a session (process group) of its own, output to `log`; SIGTERMed
+    if the demo dies (a SIGKILLed demo leaves no slicerd, launcher or trainer behind)."""
+    return stubs.proc.spawn(argv, env, log, pdeathsig=True)
 
 
 async def start_daemon(

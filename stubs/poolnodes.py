@@ -233,7 +233,9 @@ async def running_pool(
     p = Pool(name=pool, redis=redis, base=base)
     for i in range(n):
         name = f"node{i}"
-        stack = Stack.create(base / name, *slicerd_args, gpus=1, capacity=capacity)
+        # pdeathsig: a killed demo or test leaves no node's processes behind.
+        stack = Stack.create(base / name, *slicerd_args, gpus=1, capacity=capacity,
+                             pdeathsig=True)  # fmt: skip
         dargs = ["--queue", redis.url, "--pool", pool, "--consumer", name, *dispatch_args]
         targs = ["--bytes", trainer_bytes, "--work", str(trainer_work[i % len(trainer_work)])]
         targs += ["--steps", str(trainer_steps), "--park", "checkpoint"]

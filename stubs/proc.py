@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -125,8 +126,8 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def die_with_parent() -> None:
     """In a child, before exec: SIGTERM it when its parent dies (no orphans of a crashed
-    benchmark). Only for children started from the main thread: the signal follows the
-    thread that forked."""
+    benchmark or demo). Only for children started from the main thread: the signal
+    follows the thread that forked (`spawn` checks)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
@@ -141,7 +142,10 @@ def spawn(
     pass_fds: tuple[int, ...] = (),
 ) -> subprocess.Popen[bytes]:
     """Start `argv` (in a session and process group of its own unless ``session=False``),
-    stdin from /dev/null, stdout and stderr appended to `log`, `pass_fds` left open."""
+    stdin from /dev/null, stdout and stderr appended to `log`, `pass_fds` left open;
+    ``pdeathsig``: SIGTERMed when this process dies (from the main thread only: the
+    signal follows the thread that forked, and a worker thread ends long before us)."""
+    pdeathsig = pdeathsig and threading.current_thread() is threading.main_thread()
     with open(log, "ab") as f:
         return subprocess.Popen(
             argv,

@@ -52,6 +52,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -399,7 +400,7 @@ class Stack:
             p = subprocess.Popen(
                 argv,
                 env=self.env,
-                preexec_fn=die_with_parent if self.pdeathsig else None,
+                preexec_fn=die_with_parent if self.pdeathsig and _main_thread() else None,
                 pass_fds=() if fd is None else (fd,),
             )
         finally:
@@ -465,6 +466,11 @@ def cc_log(stack: Stack) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _main_thread() -> bool:
+    # PR_SET_PDEATHSIG follows the thread that forked: a worker thread ends before us.
+    return threading.current_thread() is threading.main_thread()
 
 
 def _tempdir(prefix: str) -> Path:
