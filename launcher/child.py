@@ -11,10 +11,15 @@ The child dies with the launcher: it is started with `PR_SET_PDEATHSIG` = SIGKIL
 kernel sends that signal when the *thread* that forked it exits, so it is forked from
 the launcher's main thread (trio's own `open_process` forks from a worker thread, which
 idles out after seconds) and waited on through a pidfd. What the child started itself
-is not covered by the signal: vLLM's engine core watches its parent and exits with it;
-anything else is the daemon's (it remembers the processes it saw in the workload's tree
-and kills the survivors of a dead registrant after `fault_kill_after`) and, under
-systemd, the unit's `KillMode=control-group`.
+is not covered by that signal, and vLLM's engine core does not follow its API server
+(measured on vLLM 0.32: its EngineCore and worker were alive 20 s after the API
+server's SIGKILL, holding the model's memory). So beside each child runs a *keeper*
+(`KEEPER`, a few lines of Python in a session of its own), blocked reading a pipe whose
+only write end the launcher holds: once the child's group is stopped the launcher writes
+one byte (nothing to do), and if the launcher dies first the pipe ends and the keeper
+SIGKILLs the child's whole process group, engine core and workers included (they stay
+in it: vLLM does not start sessions of its own). Under systemd the unit's
+`KillMode=mixed` kills the cgroup besides.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 
 import psutil
@@ -34,6 +40,26 @@ from gpu_slicer.launcher.config import log
 SWEEP_POLL = 0.05  # seconds between looks at processes that are not our children
 KILL_WAIT = 10.0  # bound on the wait after SIGKILL (the kernel needs no more)
 PR_SET_PDEATHSIG = 1
+# The keeper (module docstring): argv[1] is the child's process group. A byte on stdin:
+# the group was stopped, exit; end of input without one: the launcher died, kill it.
+KEEPER_NAME = "slicer-launch-keeper"  # its last argument: what `ps` shows, what tests skip
+# argv[1] the child's pid (its process group), argv[2] its start time (/proc stat field 22).
+# A byte on stdin: the group was stopped, exit. The input ends without one: the launcher
+# died: SIGKILL the group, unless its leader's pid now names another process (reused:
+# a pid is never reused while a group of that id has members, so a dead leader is safe).
+KEEPER = (
+    "import os, signal, sys\n"
+    "if not os.read(0, 1):\n"
+    "    try:\n"
+    "        now = open(f'/proc/{sys.argv[1]}/stat').read().rsplit(')', 1)[1].split()[19]\n"
+    "    except (OSError, IndexError):\n"
+    "        now = None\n"
+    "    if now in (None, sys.argv[2]):\n"
+    "        try:\n"
+    "            os.killpg(int(sys.argv[1]), signal.SIGKILL)\n"
+    "        except OSError:\n"
+    "            pass\n"
+)
 # Looked up before any fork: the child, between fork and exec, only calls it.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
@@ -61,6 +87,41 @@ def _die_with_launcher(launcher: int) -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != launcher:
         os._exit(127)
+
+
+def start_ticks(pid: int) -> str | None:
+    """The start time of `pid` (/proc/PID/stat field 22, clock ticks), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+Keeper = tuple[subprocess.Popen[bytes], int]  # the keeper and the write end of its pipe
+
+
+def start_keeper(pgid: int) -> Keeper | None:
+    """Start the keeper of process group `pgid` (module docstring): it and the write end of
+    its pipe (None when it could not start: the child then has only its death signal)."""
+    start = start_ticks(pgid)
+    if start is None:  # the child is gone already: nothing of its group to keep
+        return None
+    r, w = os.pipe()  # both ends close-on-exec: no other child inherits the write end
+    try:
+        keeper = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", KEEPER, str(pgid), start, KEEPER_NAME],
+            stdin=r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={}, start_new_session=True,
+        )  # fmt: skip
+    except OSError as e:
+        log.error("no keeper for pid %d's group (%s): if the launcher dies, what the "
+                  "child started may outlive it", pgid, e)  # fmt: skip
+        os.close(w)
+        return None
+    finally:
+        os.close(r)
+    return keeper, w
 
 
 class Started:
@@ -94,11 +155,13 @@ class Started:
 class Child:
     """One running command in its own process group."""
 
-    def __init__(self, proc: Started) -> None:
+    def __init__(self, proc: Started, keeper: Keeper | None = None) -> None:
         self.proc = proc
         self.pid: int = proc.pid
         self.pgid: int = proc.pid
         self._seen: dict[int, psutil.Process] = {}  # descendants seen while it lived
+        self._keeper = keeper  # while it is armed (its Popen is kept: reaped once it ends)
+        self._keeper_proc = keeper[0] if keeper else None
 
     @classmethod
     async def start(cls, argv: Sequence[str], env: Mapping[str, str]) -> Child:
@@ -116,7 +179,16 @@ class Child:
         )
         proc = Started(popen)
         log.info("started pid %d: %s", proc.pid, " ".join(argv))
-        return cls(proc)
+        return cls(proc, start_keeper(proc.pid))
+
+    def disarm(self) -> None:
+        """The group is stopped: let the keeper go without killing anything."""
+        if self._keeper is None:
+            return
+        fd, self._keeper = self._keeper[1], None
+        with contextlib.suppress(OSError):  # a keeper that is gone needs no word
+            os.write(fd, b"x")
+        os.close(fd)
 
     @property
     def returncode(self) -> int | None:
@@ -176,16 +248,24 @@ class Child:
         Runs shielded: a stop, once begun, always finishes (bounded by grace + KILL_WAIT).
         """
         with trio.CancelScope(shield=True):
-            if self.leftovers():
-                log.info("stopping pid %d group: %s", self.pid, signal.Signals(first).name)
-                self.send_signal(first)
-                if not await self._gone_within(grace):
-                    log.warning(
-                        "still running %.1f s after %s: SIGKILL", grace, signal.Signals(first).name
-                    )
-                    await self.kill()
-            with trio.move_on_after(KILL_WAIT):
-                await self.proc.wait()
+            try:
+                rc = await self._stop(grace, first)
+            finally:
+                if not self.leftovers():
+                    self.disarm()
+        return rc
+
+    async def _stop(self, grace: float, first: int) -> int:
+        if self.leftovers():
+            log.info("stopping pid %d group: %s", self.pid, signal.Signals(first).name)
+            self.send_signal(first)
+            if not await self._gone_within(grace):
+                log.warning(
+                    "still running %.1f s after %s: SIGKILL", grace, signal.Signals(first).name
+                )
+                await self.kill()
+        with trio.move_on_after(KILL_WAIT):
+            await self.proc.wait()
         rc = self.returncode
         return rc if rc is not None else exit_code(-signal.SIGKILL)
 
@@ -203,3 +283,5 @@ class Child:
         if self.leftovers():
             log.warning("pid %d left processes behind: stopping them", self.pid)
             await self.stop(grace)
+        elif self.proc.returncode is not None:
+            self.disarm()

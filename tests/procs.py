@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import psutil
 import trio
 
+from gpu_slicer.launcher.child import KEEPER_NAME
 from stubs.proc import free_port
 from tests.harness import Stack
 
@@ -71,11 +72,13 @@ class Proc:
         return "\n".join(self.lines)
 
     def descendants(self) -> list[psutil.Process]:
-        """Its live descendants."""
+        """Its live descendants, a launcher's keeper aside (`launcher.child`: it holds no
+        GPU, exits once the child's group is stopped, and is tested on its own)."""
         try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
+        return [p for p in kids if not _is_keeper(p)]
 
 
 @asynccontextmanager
@@ -114,3 +117,10 @@ async def spawn(
             nursery.cancel_scope.cancel()
     assert proc.stdout is not None
     await proc.stdout.aclose()
+
+
+def _is_keeper(p: psutil.Process) -> bool:
+    try:
+        return KEEPER_NAME in p.cmdline()
+    except psutil.Error:
+        return False

@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fake-workload", default=os.environ.get("FAKEGPU_WORKLOAD") or "vllm")
     g.add_argument("--fail-reload", action="store_true")
     g.add_argument("--hang-requests", action="store_true")
+    # Real vLLM 0.32: its EngineCore outlives a SIGKILLed API server, memory and all.
+    g.add_argument("--core-outlives-server", action="store_true")
     g.add_argument("--http-server", choices=HTTP_SERVERS, default="hypercorn")
     return p
 
@@ -102,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         workload=args.fake_workload,
         fail_reload=args.fail_reload,
         hang_requests=args.hang_requests,
+        core_outlives_server=args.core_outlives_server,
         gpu=visible_gpu(),
         dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1",
         http_server=args.http_server,

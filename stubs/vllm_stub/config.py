@@ -34,3 +34,5 @@ class Config:
     gpu: int
     dev_mode: bool
     http_server: str = "hypercorn"  # or "lean": gpu_slicer.dispatcher.httpserver
+    # Real vLLM 0.32's EngineCore outlives a SIGKILLed API server (`core.main`).
+    core_outlives_server: bool = False

@@ -36,7 +36,8 @@ class CoreDead(Exception):
 class CoreLink:
     """One engine-core child process and the calls to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, outlives_server: bool = False) -> None:
+        self.outlives_server = outlives_server
         self.proc: trio.Process | None = None
         self.pid: int | None = None
         self.dead = trio.Event()
@@ -49,6 +50,8 @@ class CoreLink:
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the core, hand back its pid, then read its replies until it exits."""
         env = {**os.environ, "VLLM_STUB_PARENT": str(os.getpid())}
+        if self.outlives_server:
+            env["VLLM_STUB_CORE_OUTLIVES"] = "1"
         proc = await trio.lowlevel.open_process(
             [sys.executable, "-m", "stubs.vllm_stub.core"],
             stdin=-1,  # subprocess.PIPE

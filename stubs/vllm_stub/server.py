@@ -43,7 +43,7 @@ def _identity(model: str) -> str:
 async def serve(cfg: Config) -> int:
     """Run the server until SIGTERM (0), engine death (1) or boot failure (1)."""
     t0 = time.monotonic()
-    link = CoreLink()
+    link = CoreLink(outlives_server=cfg.core_outlives_server)
     exit_code = 0
     async with trio.open_nursery() as nursery:
         log(f"starting engine core (model={cfg.model} gpu={cfg.gpu} workload={cfg.workload})")
