@@ -39,6 +39,7 @@ from gpu_slicer.launcher.config import log
 
 SWEEP_POLL = 0.05  # seconds between looks at processes that are not our children
 KILL_WAIT = 10.0  # bound on the wait after SIGKILL (the kernel needs no more)
+KEEPER_WAIT = 2.0  # a disarmed keeper exits as it reads its byte: milliseconds
 PR_SET_PDEATHSIG = 1
 # The keeper (module docstring): argv[1] is the child's process group. A byte on stdin:
 # the group was stopped, exit; end of input without one: the launcher died, kill it.
@@ -124,6 +125,18 @@ def start_keeper(pgid: int) -> Keeper | None:
     return keeper, w
 
 
+async def _reap(proc: Started, bound: float) -> None:
+    # Waited on, never left to the garbage collector: a Popen collected while its process
+    # runs is a ResourceWarning and, later, a zombie.
+    with trio.move_on_after(bound):
+        await proc.wait()
+        return
+    with contextlib.suppress(OSError):
+        os.kill(proc.pid, signal.SIGKILL)
+    with trio.move_on_after(KILL_WAIT):
+        await proc.wait()
+
+
 class Started:
     """A process started by `Child.start`: its pid, exit status and an async wait."""
 
@@ -160,8 +173,7 @@ class Child:
         self.pid: int = proc.pid
         self.pgid: int = proc.pid
         self._seen: dict[int, psutil.Process] = {}  # descendants seen while it lived
-        self._keeper = keeper  # while it is armed (its Popen is kept: reaped once it ends)
-        self._keeper_proc = keeper[0] if keeper else None
+        self._keeper = keeper  # while it is armed (its Popen is kept: reaped by disarm)
 
     @classmethod
     async def start(cls, argv: Sequence[str], env: Mapping[str, str]) -> Child:
@@ -181,14 +193,17 @@ class Child:
         log.info("started pid %d: %s", proc.pid, " ".join(argv))
         return cls(proc, start_keeper(proc.pid))
 
-    def disarm(self) -> None:
-        """The group is stopped: let the keeper go without killing anything."""
+    async def disarm(self) -> None:
+        """The group is stopped: let the keeper go without killing anything, and reap it
+        (it exits as it reads the byte; past `KEEPER_WAIT` it is killed, harmless now)."""
         if self._keeper is None:
             return
-        fd, self._keeper = self._keeper[1], None
+        keeper, fd = self._keeper
+        self._keeper = None
         with contextlib.suppress(OSError):  # a keeper that is gone needs no word
             os.write(fd, b"x")
         os.close(fd)
+        await _reap(Started(keeper), KEEPER_WAIT)
 
     @property
     def returncode(self) -> int | None:
@@ -252,7 +267,7 @@ class Child:
                 rc = await self._stop(grace, first)
             finally:
                 if not self.leftovers():
-                    self.disarm()
+                    await self.disarm()
         return rc
 
     async def _stop(self, grace: float, first: int) -> int:
@@ -284,4 +299,4 @@ class Child:
             log.warning("pid %d left processes behind: stopping them", self.pid)
             await self.stop(grace)
         elif self.proc.returncode is not None:
-            self.disarm()
+            await self.disarm()

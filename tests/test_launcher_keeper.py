@@ -12,6 +12,7 @@ import sys
 
 import psutil
 import pytest
+import trio
 
 from gpu_slicer.launcher import child
 
@@ -43,25 +44,22 @@ def cleanup(leader: subprocess.Popen[str], grandchild: psutil.Process) -> None:
     leader.stdout.close()
 
 
-def keeper_of(pgid: int) -> psutil.Process:
-    [k] = [p for p in psutil.Process().children() if child.KEEPER_NAME in p.cmdline()]
-    assert str(pgid) in k.cmdline()
-    return k
-
-
 @pytest.mark.parametrize("died", [True, False], ids=["launcher-died", "clean-stop"])
 def test_the_keeper_kills_the_group_only_when_the_launcher_dies(died: bool) -> None:
     leader, grandchild = group()
+    kept = child.start_keeper(leader.pid)
+    assert kept is not None
+    keeper, w = kept
     try:
-        kept = child.start_keeper(leader.pid)
-        assert kept is not None
-        assert keeper_of(leader.pid).pid == kept[0].pid
+        assert child.KEEPER_NAME in psutil.Process(keeper.pid).cmdline()
         if died:
-            os.close(kept[1])  # what the kernel does to the pipe when the launcher dies
+            w, fd = -1, w
+            os.close(fd)  # what the kernel does to the pipe when the launcher dies
         else:
-            c = child.Child(child.Started(leader), kept)  # type: ignore[arg-type]
-            c.disarm()
-        assert kept[0].wait(timeout=10) == 0
+            c = child.Child(child.Started(leader), (keeper, w))  # type: ignore[arg-type]
+            w = -1
+            trio.run(c.disarm)  # it reaps the keeper too
+        assert keeper.wait(timeout=10) == 0
         if died:
             assert leader.wait(timeout=10) == -signal.SIGKILL
             psutil.wait_procs([grandchild], timeout=10)
@@ -69,6 +67,11 @@ def test_the_keeper_kills_the_group_only_when_the_launcher_dies(died: bool) -> N
         else:
             assert leader.poll() is None and grandchild.is_running()
     finally:
+        if w != -1:  # failed before the pipe was handed on: close it here, once
+            os.close(w)
+        if keeper.poll() is None:
+            keeper.kill()
+            keeper.wait(timeout=10)
         cleanup(leader, grandchild)
 
 
