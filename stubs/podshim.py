@@ -88,6 +88,23 @@ def kill_all(mark: bytes, pidns: int, init: int, deadline: float) -> None:
     while killed and time.monotonic() < deadline:
         killed = {p: s for p, s in killed.items() if started(p) == s}
         time.sleep(POLL_S)
+    # A process of the container killed by another hand first (a launcher's keeper kills
+    # its replica's group as the launcher dies) was a zombie at the scan, which cannot be
+    # told from another container's (no environ): wait for the pod's init to reap the
+    # zombies it has adopted, as it does at once.
+    while time.monotonic() < deadline and adopted_zombies(init):
+        time.sleep(POLL_S)
+
+
+def adopted_zombies(init: int) -> list[int]:
+    """Zombies whose parent is the pod's init (host pid `init`): not reaped yet."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None and st[0] == b"Z" and int(st[1]) == init:
+                out.append(int(entry))
+    return out
 
 
 def exit_as(status: int) -> None:
