@@ -263,7 +263,7 @@ class PoolLink:
         if self._holding and not self._claimed_this_turn:
             self.empty_turns += 1
         if self._holding:
-            self.rate.turn_ended(self.store.counts()["done"])
+            self.rate.turn_ended(trio.current_time(), self.store.counts()["done"])
         self._holding = self._asking = False
         try:
             # One bound for both calls: the turn's end bound counts CALL_TIMEOUT_S once.

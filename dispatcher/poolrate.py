@@ -50,11 +50,12 @@ class ServiceRate:
                 self._done += finished
         self._last = (now, done_total)
 
-    def turn_ended(self, done_total: int) -> None:
-        """At a turn's end: fold the turn into the estimate (results stored since the last
-        step count), when it finished enough to say what the replica can serve."""
-        if self._last is not None:
-            self._done += max(0, done_total - self._last[1])
+    def turn_ended(self, now: float, done_total: int) -> None:
+        """At a turn's end: fold the turn into the estimate, when it finished enough to say
+        what the replica can serve. Results stored since the last step (the grace, when
+        the sends in flight end) count with the time they took: counted without it they
+        would make the replica look faster than it is, and wake too few."""
+        self.step(now, 0, done_total)
         if self._done >= MIN_RESULTS and self._busy >= _MIN_BUSY_S:
             sample = self._done / self._busy
             old = self.per_s

@@ -41,8 +41,6 @@ SWEEP_POLL = 0.05  # seconds between looks at processes that are not our childre
 KILL_WAIT = 10.0  # bound on the wait after SIGKILL (the kernel needs no more)
 KEEPER_WAIT = 2.0  # a disarmed keeper exits as it reads its byte: milliseconds
 PR_SET_PDEATHSIG = 1
-# The keeper (module docstring): argv[1] is the child's process group. A byte on stdin:
-# the group was stopped, exit; end of input without one: the launcher died, kill it.
 KEEPER_NAME = "slicer-launch-keeper"  # its last argument: what `ps` shows, what tests skip
 # argv[1] the child's pid (its process group), argv[2] its start time (/proc stat field 22).
 # A byte on stdin: the group was stopped, exit. The input ends without one: the launcher

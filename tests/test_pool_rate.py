@@ -17,7 +17,7 @@ def test_the_rate_counts_only_time_with_sends_in_flight() -> None:
     r.step(7.0, 8, 8)
     r.step(8.0, 0, 16)  # the last ended in the span
     r.step(20.0, 0, 16)  # idle until the turn's end
-    r.turn_ended(16)
+    r.turn_ended(20.0, 16)
     assert r.per_s == pytest.approx(16 / 3)
 
 
@@ -25,12 +25,14 @@ def test_a_turn_of_few_results_measures_nothing_and_results_after_the_last_step_
     r = ServiceRate()
     r.step(0.0, 0, 0)
     r.step(1.0, 1, MIN_RESULTS - 1)
-    r.turn_ended(MIN_RESULTS - 1)
+    r.turn_ended(1.0, MIN_RESULTS - 1)
     assert r.per_s is None  # their latency, not what the replica can serve
     r.step(10.0, 0, MIN_RESULTS - 1)
     r.step(12.0, 4, MIN_RESULTS + 3)
-    r.turn_ended(MIN_RESULTS + 7)  # stored as the turn ended: counted in its window
-    assert r.per_s == pytest.approx(8 / 2)
+    # Stored in the grace, as the sends in flight ended: counted with the 2 s they took
+    # (before: without them, 8 results in 2 s instead of 8 in 4).
+    r.turn_ended(14.0, MIN_RESULTS + 7)
+    assert r.per_s == pytest.approx(8 / 4)
 
 
 def test_the_estimate_leans_toward_the_last_turns() -> None:
@@ -38,9 +40,9 @@ def test_the_estimate_leans_toward_the_last_turns() -> None:
     for rate in (10, 20):
         r.step(0.0, 0, 0)
         r.step(1.0, 0, rate)
-        r.turn_ended(rate)
+        r.turn_ended(1.0, rate)
     assert r.per_s == pytest.approx(15.0)
-    r.turn_ended(99)  # a turn with no step: nothing measured, the estimate stays
+    r.turn_ended(5.0, 99)  # a turn with no step: nothing measured, the estimate stays
     assert r.per_s == pytest.approx(15.0)
 
 
@@ -48,7 +50,7 @@ def test_a_counter_that_goes_back_measures_nothing_negative() -> None:
     r = ServiceRate()
     r.step(0.0, 2, 100)
     r.step(1.0, 2, 50)  # another store (a restart): never a negative count
-    r.turn_ended(40)
+    r.turn_ended(2.0, 40)
     assert r.per_s is None
 
 
