@@ -507,6 +507,55 @@ async def test_sleep_abort_ends_a_stream_with_finish_reason_abort(
             assert slept == [{"status": "sleeping", "level": 1}]
 
 
+HOLD = ("--scheduler-cls", "vllm_tier.hold.HoldScheduler")
+
+
+async def test_hold_scheduler_keeps_a_marked_request_running_until_an_abort(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    """vllm_tier.hold's scheduler, as the stub plays it: a request with the xarg
+    tier_hold_after=K stops after K tokens per choice and stays running (others are not
+    held) until an abort ends it with finish_reason abort."""
+    held = {"prompt": "hi", "max_tokens": 50, "n": 2, "stream": True, "return_token_ids": True}
+    held["vllm_xargs"] = {"tier_hold_after": 3}
+    tokens: dict[int, int] = {}
+    finish: dict[int, str] = {}
+    slept: list[Any] = []
+    with trio.fail_after(20):
+        async with (
+            start_stub(tmp_path, "--enable-sleep-mode", *HOLD) as stub,
+            stub.http.stream("POST", "/v1/completions", json=held) as r,
+        ):
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                for ch in json.loads(line[len("data: ") :])["choices"]:
+                    tokens[ch["index"]] = tokens.get(ch["index"], 0) + len(ch["token_ids"])
+                    if ch["finish_reason"]:
+                        finish[ch["index"]] = ch["finish_reason"]
+                if len(tokens) == 2 and min(tokens.values()) >= 3 and not slept:
+                    # held, not finished: another request runs to its end beside it
+                    assert await stub.metric("vllm:num_requests_running") == 1.0
+                    other = await stub.complete(max_tokens=20, vllm_xargs={"x": 1})
+                    assert other["usage"]["completion_tokens"] == 20
+                    assert await stub.metric("vllm:num_requests_running") == 1.0
+                    slept.append((await stub.http.post("/sleep?level=1&mode=abort")).json())
+    assert slept == [{"status": "sleeping", "level": 1}]
+    assert finish == {0: "abort", 1: "abort"} and tokens == {0: 3, 1: 3}
+
+
+async def test_hold_xarg_is_ignored_without_the_hold_scheduler(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    with trio.fail_after(20):
+        async with start_stub(tmp_path) as stub:
+            done = await stub.complete(max_tokens=20, vllm_xargs={"tier_hold_after": 1})
+            assert done["choices"][0]["finish_reason"] == "length"
+            bad = await stub.http.post("/v1/completions", json={"prompt": "a", "vllm_xargs": 3})
+            assert bad.status_code == 400 and "vllm_xargs" in bad.text
+
+
 async def test_sleep_keep_freezes_and_resumes_after_wake(tmp_path: Path, ledger: Ledger) -> None:
     body = {"prompt": "hi", "max_tokens": 20, "stream": True}
     with trio.fail_after(20):
@@ -920,6 +969,10 @@ async def test_cli_refuses_unknown_flags_and_a_missing_ledger(tmp_path: Path) ->
             [*cmd, "--no-such-flag"], env=env, check=False, capture_stderr=True
         )
         assert r.returncode == 2 and b"unrecognized arguments" in r.stderr
+        r = await trio.run_process(
+            [*cmd, "--scheduler-cls", "my.Scheduler"], env=env, check=False, capture_stderr=True
+        )
+        assert r.returncode == 2 and b"the stub knows only vllm_tier.hold.Hold" in r.stderr
         del env["FAKEGPU_DIR"]
         r = await trio.run_process(cmd, env=env, check=False, capture_stderr=True)
         assert r.returncode == 1 and b"FAKEGPU_DIR" in r.stderr

@@ -125,10 +125,20 @@ async def case_pause_wait_then_new_request(s: Side) -> Obs:
     return await _pause_then_new_request(s, "wait")
 
 
+HOLD_AFTER = 2
+
+
 async def _sleep_under_a_request(s: Side, mode: str, seed: int) -> Obs:
-    """Stream n=8 x 120 tokens; at the first chunk, ``/sleep?level=1&mode=MODE`` then
-    ``/wake_up``; what each choice got. 8 sequences keep the real CPU engine busy long
-    enough that the sleep lands while the request runs."""
+    """Stream n=8 x 120 tokens; once every choice has a token, ``/sleep?level=1&mode=MODE``
+    then ``/wake_up``; what each choice got.
+
+    With ``mode=abort`` the request carries the xarg ``tier_hold_after`` (``hold.py``):
+    past its first ``HOLD_AFTER`` tokens it stays running and cannot end by itself, and
+    the sleep is sent once every choice has them, so the sleep lands on a running request
+    whatever the machine's load (without it the real CPU engine could finish all 120
+    tokens first) and each choice ends with exactly ``HOLD_AFTER`` tokens. ``mode=keep``
+    needs no hold: a request that ends before the sleep sees the same outcome as one the
+    sleep freezes."""
     body = {
         "model": MODEL_NAME,
         "prompt": "hello",
@@ -140,6 +150,10 @@ async def _sleep_under_a_request(s: Side, mode: str, seed: int) -> Obs:
         "stream": True,
         "return_token_ids": True,
     }
+    before = 1  # tokens every choice has when the sleep is sent
+    if mode == "abort":
+        before = HOLD_AFTER
+        body["vllm_xargs"] = {"tier_hold_after": HOLD_AFTER}
     tokens: dict[int, int] = {}
     finish: dict[int, str] = {}
 
@@ -154,7 +168,7 @@ async def _sleep_under_a_request(s: Side, mode: str, seed: int) -> Obs:
         lines = r.aiter_lines()
         async for line in lines:
             take(line)
-            if tokens:
+            if len(tokens) == 8 and min(tokens.values()) >= before:
                 break
         slept = await s.dev.post("/sleep", params={"level": 1, "mode": mode})
         woke = await s.dev.post("/wake_up")
@@ -167,7 +181,7 @@ async def _sleep_under_a_request(s: Side, mode: str, seed: int) -> Obs:
         "wake": woke.status_code,
         "finish": sorted(set(finish.values())),
         "choices_ended": len(finish),
-        "tokens_per_choice": sorted(set(tokens.values())) if mode == "keep" else None,
+        "tokens_per_choice": sorted(set(tokens.values())),  # abort: [HOLD_AFTER]
         "cut_short": all(0 < n < 120 for n in tokens.values()) and len(tokens) == 8,
     }
 

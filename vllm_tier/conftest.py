@@ -4,7 +4,9 @@ Four servers start together (their boots overlap): the real vLLM and the stub, e
 and without ``VLLM_SERVER_DEV_MODE``. The stub runs with ``--enable-sleep-mode`` (its
 GPU semantics); the real CPU server cannot take that flag (refused at startup on CPU)
 and its worker ignores sleep, which is what the contract test needs from it: the HTTP
-behaviour of the routes.
+behaviour of the routes. The pair's real servers and stubs take ``--scheduler-cls
+vllm_tier.hold.HoldScheduler`` (``hold.py``: a request can be held running until an
+abort ends it; every other request is scheduled as by default).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, models: Path) -> Iterator[dic
         started.append(
             sv.start(
                 name,
-                sv.real_argv(model, port),
+                [*sv.real_argv(model, port), *sv.HOLD_FLAGS],
                 sv.real_env(env, base / f"cache-{name}", dev=dev),
                 base / f"{name}.log",
                 sv.REAL_READY,
@@ -54,6 +56,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, models: Path) -> Iterator[dic
         if dev:
             stub_env["VLLM_SERVER_DEV_MODE"] = "1"
         flags = ["--enable-sleep-mode", "--tokens-per-s", "200", "--fake-workload", name]
+        flags += sv.HOLD_FLAGS
         started.append(
             sv.start(
                 name,

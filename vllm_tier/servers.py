@@ -30,6 +30,10 @@ STOP_GRACE_S = 15.0
 # reports AMX without enabling it, the worker died of SIGILL (exit -4) at its first step.
 REAL_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "128"]
 REAL_FLAGS += ["--kv-cache-memory-bytes", "67108864"]
+# The contract pair's servers (conftest.pair) take both: a request with the xarg
+# tier_hold_after=K stays running after K tokens until aborted (hold.py); every other
+# request is scheduled as by vLLM's default scheduler.
+HOLD_FLAGS = ["--scheduler-cls", "vllm_tier.hold.HoldScheduler"]
 
 
 class TierSetupError(RuntimeError):

@@ -24,6 +24,11 @@ Stub-only additions
 - Flags ``--weights-bytes``, ``--context-bytes``, ``--tokens-per-s``, ``--boot-delay``,
   ``--reload-seconds``, ``--fake-workload``, ``--fail-reload``, ``--hang-requests``,
   ``--http-server``.
+- ``--scheduler-cls vllm_tier.hold.HoldScheduler`` (a real vLLM flag; the only class the
+  stub takes): a request whose ``vllm_xargs`` has ``tier_hold_after: K`` stops stepping
+  once each choice has K tokens and stays running until an abort ends it, as that
+  scheduler does in real vLLM (the real-vLLM tier's way to have a sleep land on a request
+  that is certainly still running).
 - Fast mode, for a replica that must not be the ceiling (the dispatcher's sustained-rate
   and burst benches): ``--tokens-per-s inf`` generates each token at once (one scheduler
   checkpoint, no sleep), and ``--http-server lean`` serves the same app with the

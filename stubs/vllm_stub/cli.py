@@ -17,6 +17,7 @@ import trio
 
 from stubs.fakegpu import FakeGpuError, Ledger, parse_size
 from stubs.vllm_stub.config import Config
+from stubs.vllm_stub.engine import HOLD_SCHEDULER
 from stubs.vllm_stub.server import serve
 
 __all__ = ["HTTP_SERVERS", "build_parser", "main", "parse_args"]
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=4096)
     s.add_argument("--enforce-eager", action="store_true")
     s.add_argument("--dtype", default="auto")
+    s.add_argument("--scheduler-cls", default=None)
     g = s.add_argument_group("stub", "fake GPU and fault injection (not vLLM flags)")
     g.add_argument("--weights-bytes", type=_size, default=parse_size("2GiB"))
     g.add_argument("--context-bytes", type=_size, default=parse_size("512MiB"))
@@ -88,6 +90,12 @@ def parse_args(argv: list[str] | None = None) -> Config:
     args = build_parser().parse_args(argv)
     if args.gpu_memory_utilization > 1:
         build_parser().error("--gpu-memory-utilization must be in (0, 1]")
+    if args.scheduler_cls not in (None, HOLD_SCHEDULER):
+        # vLLM imports the class by name; the stub has one scheduler of its own besides
+        # the default, the tier's (the same behaviour, see engine.Engine.hold_scheduler).
+        build_parser().error(
+            f"--scheduler-cls {args.scheduler_cls}: the stub knows only {HOLD_SCHEDULER}"
+        )
     return Config(
         model=args.model,
         served_model_names=tuple(args.served_model_name or [args.model]),
@@ -108,6 +116,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         gpu=visible_gpu(),
         dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1",
         http_server=args.http_server,
+        hold_scheduler=args.scheduler_cls == HOLD_SCHEDULER,
     )
 
 

@@ -36,3 +36,5 @@ class Config:
     http_server: str = "hypercorn"  # or "lean": gpu_slicer.dispatcher.httpserver
     # Real vLLM 0.32's EngineCore outlives a SIGKILLed API server (`core.main`).
     core_outlives_server: bool = False
+    # --scheduler-cls vllm_tier.hold.HoldScheduler (the only class the stub knows)
+    hold_scheduler: bool = False

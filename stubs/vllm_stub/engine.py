@@ -48,6 +48,9 @@ __all__ = [
 ]
 
 SLEEP_TAGS = ("weights", "kv_cache")
+# The xarg that vllm_tier.hold.HoldScheduler reads (the stub's --scheduler-cls).
+HOLD_XARG = "tier_hold_after"
+HOLD_SCHEDULER = "vllm_tier.hold.HoldScheduler"
 RANDOM_WEIGHTS = "<discarded: random weights>"
 # vLLM's GPUModelRunner.reload_weights(weights_iterator, weights_path, is_checkpoint_format)
 RELOAD_KWARGS = ("weights_iterator", "weights_path", "is_checkpoint_format")
@@ -92,6 +95,7 @@ class GenRequest:
     """One HTTP generation request (all its choices step together)."""
 
     seqs: list[Seq]
+    hold_after: int | None = None  # vllm_xargs tier_hold_after (see Engine.hold_scheduler)
     held: bool = True  # blocked before the engine (sleep, pause) before its first token
     aborted: bool = False
     error: Exception | None = None
@@ -118,8 +122,13 @@ class Engine:
         hang_requests: bool = False,
         fail_reload: bool = False,
         model_path: str = "",
+        hold_scheduler: bool = False,
     ) -> None:
         self.core = core
+        # --scheduler-cls vllm_tier.hold.HoldScheduler: a request with the xarg
+        # tier_hold_after=K stops stepping once every choice has K tokens, and stays
+        # running until an abort ends it (what that scheduler does in real vLLM).
+        self.hold_scheduler = hold_scheduler
         self.identity = identity
         self.model_path = model_path  # MODEL, what it booted with
         # What reload_weights without a weights_path reloads: the weights last loaded, not
@@ -449,6 +458,8 @@ class Engine:
                         req.held = False
                         self._notify()
                     await self._until(lambda: not self.hang_requests)
+                    if self._holds(req):
+                        await trio.sleep_forever()  # until an abort cancels the scope
                     if self.weights_broken:
                         self._crash("a forward pass on broken weights (failed reload)")
                         raise EngineError(DEAD_MESSAGE)
@@ -471,6 +482,12 @@ class Engine:
         finally:
             self.requests.discard(req)
             self._notify()
+
+    def _holds(self, req: GenRequest) -> bool:
+        k = req.hold_after
+        if not self.hold_scheduler or k is None:
+            return False
+        return all(len(s.token_ids) >= k for s in req.seqs if s.finish_reason is None)
 
     def _crash(self, why: str) -> None:
         """Kill the engine core as a real one dies (the server then exits 1)."""

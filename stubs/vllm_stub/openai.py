@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stubs.vllm_stub.engine import Engine, GenRequest, Seq
+from stubs.vllm_stub.engine import HOLD_XARG, Engine, GenRequest, Seq
 from stubs.vllm_stub.errors import EngineError, error_body, invalid, validation
 from stubs.vllm_stub.textgen import VOCAB_SIZE, WORDS, tokenize
 
@@ -219,6 +219,19 @@ def _stop(body: dict[str, Any]) -> list[str]:
     raise invalid(("body", "stop"), "string_type", "Input should be a valid string", stop)
 
 
+def _hold_after(body: dict[str, Any]) -> int | None:
+    # vllm_xargs reach vLLM's scheduler as SamplingParams.extra_args; the only one any
+    # scheduler here reads is the tier's hold (see Engine.hold_scheduler).
+    xargs = body.get("vllm_xargs")
+    if xargs is None:
+        return None
+    if not isinstance(xargs, dict):
+        why = "Input should be a valid dictionary"
+        raise invalid(("body", "vllm_xargs"), "dict_type", why, xargs)
+    k = xargs.get(HOLD_XARG)
+    return k if isinstance(k, int) and not isinstance(k, bool) else None
+
+
 def _parse(
     body: Any, names: Sequence[str], max_model_len: int, chat: bool, request_id: str | None
 ) -> Job:
@@ -282,6 +295,7 @@ def _parse(
     return_token_ids = _bool(body, "return_token_ids")
     return_weight_versions = _bool(body, "return_weight_versions")
     rid = request_id or _str(body, "request_id", nullable=False) or uuid.uuid4().hex[:16]
+    hold_after = _hold_after(body)
     # 2. the model
     if model and model not in names:
         raise EngineError(
@@ -345,7 +359,7 @@ def _parse(
     return Job(
         chat=chat,
         model=names[0],
-        req=GenRequest(seqs=seqs),
+        req=GenRequest(seqs=seqs, hold_after=hold_after),
         stream=stream,
         prompts=prompts,
         n=n,

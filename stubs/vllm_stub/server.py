@@ -82,6 +82,7 @@ async def serve(cfg: Config) -> int:
             hang_requests=cfg.hang_requests,
             fail_reload=cfg.fail_reload,
             model_path=cfg.model,
+            hold_scheduler=cfg.hold_scheduler,
         )
         app = build_app(
             engine,
