@@ -11,6 +11,14 @@ Two questions of the server that depend on PID namespaces (README, "PID namespac
   is sharpened by the one per-process fact a pod can read: a CUDA context keeps the GPU's
   device node open (`/dev/nvidiaN`), so a workload none of whose processes has it open
   holds nothing there, and the processes that have it open are the ones to checkpoint.
+
+A process once seen in a `tree=1` workload's tree stays that workload's (`survivors`): a
+child outlives a SIGKILLed parent (one started in a session of its own, out of reach of
+the launcher's keeper), is reparented and leaves the tree, and its memory must not turn
+into foreign memory that blocks every grant; the state machine kills it once the
+workload is an orphan (`SlicerState.memory_report`). The memory is this daemon's alone:
+a restarted slicerd has not seen them (a process is seen at a census: every grant
+check, park and reaper look, and `MEMBERS_EVERY` for the GPUs of tree workloads).
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from gpu_slicer.slicer.readings import Census
 from gpu_slicer.slicer.state import SlicerState
 
 log = logging.getLogger("slicer.server")
+
+MEMBERS_MAX = 4096  # remembered processes of all workloads (pruned of the dead beyond it)
 
 
 def census_mode(asked: str, backend_ns: int | None, own_ns: int | None) -> tuple[str, str]:
@@ -56,6 +66,10 @@ class Attribution:
         self._cuda: dict[procs.Ident, bool] = {}
         # (gpu, pid) -> start time of a process seen with the GPU's device node open.
         self._holders: dict[tuple[int, int], int] = {}
+        # (pid, start time) -> wid: processes seen in a tree=1 workload's tree (by pids:
+        # from a GPU process up to the root; by elimination: those with the node open).
+        self._members: dict[procs.Ident, int] = {}
+        self._changed: set[int] = set()  # wids with a process newly remembered
         # Only the unusual mode is worth a line at start (a failed start prints one line).
         (log.info if self.blind else log.debug)("census by %s (%s)", self.census, why)
         if self.blind and cfg.foreign == "ignore":
@@ -123,7 +137,7 @@ class Attribution:
                 continue
             suspect, budget = census.held_to(w)  # every state's row (`census.ELIMINATION`)
             ident = (w.pid, int(w.start_time))
-            if suspect and self.blind and not self.holds_gpu(ident, w.tree, gpu):
+            if suspect and self.blind and not self.holds_gpu(ident, w.tree, gpu, w.wid):
                 suspect, budget = False, 0
             out.append(census.Root(w.wid, w.pid, int(w.start_time), w.tree, budget, suspect))
         return out
@@ -147,13 +161,14 @@ class Attribution:
             out.append(census.Root(i, ident[0], ident[1], tree, budget, suspect))
         return out
 
-    def holds_gpu(self, ident: procs.Ident, tree: bool, gpu: int) -> bool:
-        """Whether a process of the tree of `ident` may hold memory on `gpu`: has its
-        device node open (anyone may, where the backend names no device node)."""
+    def holds_gpu(self, ident: procs.Ident, tree: bool, gpu: int, wid: int | None = None) -> bool:
+        """Whether a process of the tree of `ident` (or a `survivor` of workload `wid`)
+        may hold memory on `gpu`: has its device node open (anyone may, where the backend
+        names no device node)."""
         node = device_node_of(self.backend, gpu)
         if node is None:
             return True
-        pids = self.host.tree(ident, tree)
+        pids = self._tree_of(ident, tree, wid)
         # Reading a process's open files costs ~5 us a file (a vLLM engine has hundreds)
         # and this runs at every grant check: a process seen holding the node is taken
         # to hold it until it exits (a CUDA context keeps it open; if it closed it, the
@@ -170,14 +185,60 @@ class Attribution:
                     if len(self._holders) >= 4096:
                         self._holders.clear()
                     self._holders[(gpu, p)] = start
+                    if wid is not None and tree:
+                        self._remember(wid, [(p, start)])
                 return True
         return False
 
-    def attribute(self, seen: dict[int, int], roots: list[census.Root]) -> Census:
-        """Attribute one GPU's reading to `roots` by this daemon's census."""
+    def _tree_of(self, ident: procs.Ident, tree: bool, wid: int | None) -> list[int]:
+        pids = self.host.tree(ident, tree)
+        if wid is not None and tree:
+            pids += [p for p in self.survivors(wid) if p not in pids]
+        return pids
+
+    def survivors(self, wid: int) -> list[int]:
+        """The live processes once seen in workload `wid`'s tree, whether or not they are
+        in it now (a child whose parent died is reparented out of it)."""
+        return sorted(
+            pid
+            for (pid, start), w in list(self._members.items())
+            if w == wid and self.host.start_time(pid) == start
+        )
+
+    def _remember(self, wid: int, idents: list[procs.Ident]) -> None:
+        if len(self._members) + len(idents) > MEMBERS_MAX:
+            live = {
+                i: w
+                for i, w in self._members.items()
+                if self.sm.by_wid(w) is not None and self.host.start_time(i[0]) == i[1]
+            }
+            # Still full of live ones: the oldest half goes (a bound, not a belief).
+            if len(live) > MEMBERS_MAX // 2:
+                live = dict(list(live.items())[len(live) // 2 :])
+            self._members = live
+        for ident in idents:
+            if self._members.get(ident) != wid:
+                self._members[ident] = wid
+                self._changed.add(wid)
+
+    def changed(self) -> set[int]:
+        """The workloads with a process remembered since the last call."""
+        out, self._changed = self._changed, set()
+        return out
+
+    def attribute(
+        self, seen: dict[int, int], roots: list[census.Root], remember: bool = True
+    ) -> Census:
+        """Attribute one GPU's reading to `roots` by this daemon's census; with
+        `remember` (roots whose wids are workloads', not a journal's indexes), the
+        processes that led to a tree root stay its workload's (`survivors`)."""
         if self.blind:
             return census.eliminate(seen, roots)
-        return census.take(seen, roots, self.host.ancestry)
+        members = self._members if remember else None
+        out = census.take(seen, roots, self.host.ancestry, members)
+        for wid, idents in out.members.items() if remember else ():
+            self._remember(wid, idents)
+        return out
 
     def newcomer(self, seen: dict[int, int], gpu: int, ident: procs.Ident, tree: bool) -> int:
         """The device bytes a registering process (tree) already holds on `gpu`."""
@@ -223,6 +284,6 @@ class Attribution:
         w = self.sm.by_wid(wid)
         if w is None:
             return []
-        tree = self.host.tree((w.pid, int(w.start_time)), w.tree)
+        tree = self._tree_of((w.pid, int(w.start_time)), w.tree, w.wid)
         node = device_node_of(self.backend, gpu)
         return tree if node is None else self.host.holding(tree, node)

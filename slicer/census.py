@@ -1,8 +1,10 @@
 """Attribute the device memory the backend reports to workloads, or call it foreign.
 
 A process belongs to a workload when it is the workload's registered process, or (with
-`tree=1`) a descendant of it. Ancestry is read from /proc per process that holds memory,
-so the cost grows with GPU processes (a handful), not with every process on the node.
+`tree=1`) a descendant of it, or a descendant of a process once seen in its tree
+(`members`: a child whose parent died, reparented, is still the workload's). Ancestry is
+read from /proc per process that holds memory, so the cost grows with GPU processes (a
+handful), not with every process on the node.
 The census measures; what it means (what blocks a grant, whether a park held) is decided by
 the state machine (`slicer.policy`).
 
@@ -25,7 +27,7 @@ leaves nothing: its budget is 0).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from gpu_slicer.slicer import procs
@@ -84,21 +86,34 @@ def take(
     gpu_procs: dict[int, int],
     roots: list[Root],
     ancestry: Callable[[int], Iterator[procs.Ident]] = procs.ancestry,
+    members: Mapping[procs.Ident, int] | None = None,
 ) -> Census:
     """Attribute `gpu_procs` (pid -> device bytes on one GPU) to `roots`, reading each
-    process's ancestry with `ancestry` (/proc unless told otherwise)."""
+    process's ancestry with `ancestry` (/proc unless told otherwise). `members`: processes
+    seen before in the tree of a `tree=1` root (ident -> its wid), whose descendants stay
+    that workload's after their parent died; the chain that led to a tree root is
+    returned in `Census.members`."""
     by_ident = {(r.pid, r.start_time): r for r in roots}
+    tree_roots = {r.wid: r for r in roots if r.tree}
     out = Census()
     for pid, nbytes in gpu_procs.items():
         owner: Root | None = None
+        chain: list[procs.Ident] = []
         for depth, ident in enumerate(ancestry(pid)):
             root = by_ident.get(ident)
             if root is not None and (root.tree or depth == 0):
                 owner = root
                 break
+            # A root is matched first: a process that registered itself is its own.
+            if members and (wid := members.get(ident)) is not None and wid in tree_roots:
+                owner = tree_roots[wid]
+                break
+            chain.append(ident)
         if owner is None:
             out.foreign[pid] = nbytes
             continue
+        if owner.tree and chain:
+            out.members.setdefault(owner.wid, []).extend(chain)
         out.bytes_by_wid[owner.wid] = out.bytes_by_wid.get(owner.wid, 0) + nbytes
         out.pids_by_wid.setdefault(owner.wid, []).append(pid)
     return out

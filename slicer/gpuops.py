@@ -43,6 +43,9 @@ from gpu_slicer.slicer.state import ProcessInfo, SlicerState
 log = logging.getLogger("slicer.server")
 
 REAP_EVERY = 0.25
+# How often the GPUs of tree=1 workloads are looked at only to learn which processes hold
+# their memory (`Attribution.survivors`), between the looks grants, parks and reapers take.
+MEMBERS_EVERY = 2.0
 GET_STATE_TIMEOUT = 30.0  # one `--get-state` (seen: up to 7 s on real hardware)
 
 
@@ -134,7 +137,7 @@ class GpuOps:
         for gpu, group in by_gpu.items():
             roots = self.attr.journal_roots(gpu, group)
             try:
-                taken = self.attr.attribute(self.backend.processes(gpu), roots)
+                taken = self.attr.attribute(self.backend.processes(gpu), roots, remember=False)
             except Exception as ex:
                 log.error("cannot read GPU %d during recovery: %s", gpu, ex)
                 for e in group:
@@ -424,7 +427,11 @@ class GpuOps:
             except Exception:
                 pass
             try:
-                fx, done = self.sm.memory_report(e.wid, alive, nbytes, self._clock(), holders)
+                # Its registered process dead, what it started may live on (reparented).
+                survivors = () if alive or not e.tree else tuple(self.attr.survivors(e.wid))
+                fx, done = self.sm.memory_report(
+                    e.wid, alive, nbytes, self._clock(), holders, survivors
+                )
                 self._apply(fx)
             except Exception:  # a reaper must never take the daemon down
                 log.exception("reaping %s failed", e.workload)
@@ -432,6 +439,21 @@ class GpuOps:
             if done:
                 return
             await trio.sleep(REAP_EVERY)
+
+    async def watch_members(self) -> None:
+        """Look at each GPU that a `tree=1` workload is on every `MEMBERS_EVERY` seconds,
+        so that the processes of its tree that hold memory are known before a SIGKILL of
+        its root can reparent them out of it (`Attribution.survivors`)."""
+        while True:
+            await trio.sleep(MEMBERS_EVERY)
+            for gpu in sorted({w.gpu for w in self.sm.workloads() if w.tree}):
+                try:
+                    self._census(gpu)
+                except Exception as ex:  # a look that fails is the next one's to take
+                    log.debug("membership look at GPU %d failed: %s", gpu, ex)
+            now = self._clock()
+            for wid in sorted(self.attr.changed()):
+                self._apply(self.sm.gpu_pids_seen(wid, self.attr.survivors(wid), now))
 
 
 def _upgrade_entry(e: dict[str, Any], host: procs.ProcessTable = procs) -> None:

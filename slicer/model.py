@@ -154,9 +154,16 @@ class Workload:
     # set when EARLY is sent, cleared by its grant or by the park that follows an early
     # start abandoned; journaled, so a restart parks it before granting anyone else.
     early: int = 0
-    # A faulted workload's GPU processes are killed at this (monotonic) time, once.
+    # A faulted workload's GPU processes are killed at this (monotonic) time; when the
+    # last SIGKILL went out (None: none yet). It is sent again while they still hold the
+    # GPU `policy.KILL_RETRY_S` later: a kill that failed (EPERM, a pid namespace) must
+    # not leave the GPU taken for good.
     kill_at: float | None = None
-    killed: bool = False
+    killed_at: float | None = None
+    # An orphan whose registered process died with processes once of its tree alive
+    # (`Attribution.survivors`): since when (monotonic); they are killed
+    # `fault_kill_after` later (`SlicerState.memory_report`).
+    orphan_since: float | None = None
 
     @property
     def detached(self) -> bool:

@@ -38,7 +38,7 @@ def running(gpus: Iterable[Gpu], op_id: int, kind: OpKind) -> tuple[Gpu, Op] | N
 def reap(w: Workload, kill_after: float | None, now: float) -> Reap:
     """The reaper of `w`'s processes; `kill_after`: its kill deadline starts now."""
     if kill_after is not None:
-        w.kill_at, w.killed = now + kill_after, False
+        w.kill_at, w.killed_at = now + kill_after, None
     return Reap(
         wid=w.wid,
         workload=w.name,
@@ -54,10 +54,33 @@ def kill_if_due(w: Workload, alive: bool, holders: tuple[int, ...], now: float) 
     """The Kill of a faulted `w`'s GPU processes `holders`, once `policy.kill_due`."""
     if w.state is not WState.FAULTED:
         return []
-    if not policy.kill_due(w.kill_at, w.killed, alive, holders, now):
+    if not policy.kill_due(w.kill_at, w.killed_at, alive, holders, now):
         return []
-    w.killed = True
+    w.killed_at = now
     return [Kill(w.wid, w.name, holders)]
+
+
+def kill_survivors(
+    w: Workload, survivors: tuple[int, ...], kill_after: float, now: float
+) -> list[Effect]:
+    """The Kill of an orphan `w`'s `survivors` (processes once of its tree, its
+    registered process dead) once they have lived `kill_after` seconds since first
+    reported: nobody is left to park, restore or stop them, and their memory must not
+    block the GPU for good. Its own deadline: a faulted one's may have passed already."""
+    if w.orphan_since is None:
+        w.orphan_since, w.killed_at = now, None
+        return [event("orphaned", w, now, pids=list(survivors), kill_after=kill_after)]
+    if not policy.kill_due(w.orphan_since + kill_after, w.killed_at, True, survivors, now):
+        return []
+    again, w.killed_at = w.killed_at is not None, now
+    if again:  # the last SIGKILL did not end them: sent again, said once
+        return [Kill(w.wid, w.name, survivors)]
+    waited = round(now - w.orphan_since, 1)
+    text = f"orphan of {w.name} killed after {waited:g} s"
+    return [
+        Kill(w.wid, w.name, survivors),
+        event("orphan-killed", w, now, pids=list(survivors), after=waited, text=text),
+    ]
 
 
 def start_park(

@@ -358,10 +358,20 @@ def judge_recovery(intent: str, r: RecoverReport, gpu: int, parked_max: int) -> 
 # ---- faults ------------------------------------------------------------------------------
 
 
+KILL_RETRY_S = 10.0  # a SIGKILL that left its processes holding the GPU is sent again
+
+
 def kill_due(
-    kill_at: float | None, killed: bool, alive: bool, holders: tuple[int, ...], now: float
+    kill_at: float | None,
+    killed_at: float | None,
+    alive: bool,
+    holders: tuple[int, ...],
+    now: float,
 ) -> bool:
-    """Kill a faulted workload's GPU processes now? Once, after its deadline, while it
-    lives, and only when some process of it holds the GPU (the registrant, say a launcher
-    stopping its child, is left to finish its own cleanup)."""
-    return kill_at is not None and now >= kill_at and not killed and alive and bool(holders)
+    """Kill a faulted workload's GPU processes now? After its deadline, while it lives,
+    and only when some process of it holds the GPU (the registrant, say a launcher
+    stopping its child, is left to finish its own cleanup); once, unless they still hold
+    it `KILL_RETRY_S` after the last kill (that kill failed: EPERM, another namespace)."""
+    if kill_at is None or now < kill_at or not alive or not holders:
+        return False
+    return killed_at is None or now >= killed_at + KILL_RETRY_S

@@ -34,6 +34,10 @@ class Census:
     # that no workload may be holding now, and the backend's (host) pids on the GPU.
     unattributed: int = 0
     unattributed_pids: list[int] = field(default_factory=list)
+    # By pids only (`census.take`): per tree=1 workload, the processes on the way from a
+    # GPU process up to its root (the GPU process included): its members, which stay its
+    # own once a dead parent has them reparented out of its tree (`Attribution`).
+    members: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def of(self, wid: int) -> int:
         """Device bytes held by workload `wid`."""

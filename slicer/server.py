@@ -193,6 +193,7 @@ class Server:
                 if self.parker_check.ok and not self.parker.has_action:
                     log.warning("driver lacks --action: using --toggle")
                 self._ops.recover(self._entries)
+                nursery.start_soon(self._ops.watch_members)
                 await nursery.start(trio.serve_listeners, self._handle, [listener])
                 task_status.started()
         finally:
@@ -553,7 +554,8 @@ class Server:
                 # Only the processes that hold the GPU (the state machine chose them).
                 n = self.host.kill_pids(list(e.pids))
                 self._ops.batch = {}  # what the batch read of the GPUs is stale now
-                log.error("killed %d GPU processes of faulted workload %s", n, e.workload)
+                log.error("killed %d processes of workload %s (faulted, or an orphan's "
+                          "survivors)", n, e.workload)  # fmt: skip
             case Emit():
                 if self.on_event is not None:
                     self.on_event(e.body)
@@ -688,6 +690,9 @@ class Server:
         children = self._children_map() if any(w.tree for w in workloads) else {}
         for entry, w in zip(body["workloads"], workloads, strict=True):
             entry["pids"] = self.host.tree((w.pid, int(w.start_time)), w.tree, children)
+            # Those seen holding its GPU memory (and their parents up to its root), in its
+            # tree or not any more: killed if they outlive its registered process.
+            entry["gpu_pids"] = self._ops.attr.survivors(w.wid) if w.tree else []
         for entry in body["gpus"]:
             op = self.sm.gpus[entry["index"]].op
             owner = self._ops.owners.get(op.op_id) if op is not None else None

@@ -495,10 +495,15 @@ class SlicerState(ParkResults):
         nbytes: int | None,
         now: float,
         holders: tuple[int, ...] = (),
+        survivors: tuple[int, ...] = (),
     ) -> tuple[list[Effect], bool]:
         """The reaper's view of a faulted or orphaned workload's processes: whether its
         registered process lives, its device bytes (None: unreadable, which keeps the GPU
-        taken) and the pids holding them.
+        taken), the pids holding them and, once its registered process is dead, the
+        `survivors`: processes once of its tree that still live (started in a session of
+        their own, reparented when it died). An orphan's survivors are killed
+        `fault_kill_after` after they are first reported (nobody is left to park,
+        restore or stop them), and it is forgotten only once they are gone.
 
         Returns the effects and whether the reaper may stop: it stops once the record is
         gone, and the record is dropped (then the GPU promotes) once the registration
@@ -514,12 +519,23 @@ class SlicerState(ParkResults):
             if live is None or live.state is not WState.FAULTED:
                 return [], True
             return opstart.kill_if_due(live, alive, holders, now), False
+        if not alive and survivors and w.state in (WState.FAULTED, WState.PARKED, WState.IDLE):
+            return opstart.kill_survivors(w, survivors, self.limits.fault_kill_after, now), False
         gone = not alive or (w.state is WState.FAULTED and nbytes == 0)
         if w.state not in (WState.FAULTED, WState.PARKED) or not gone:
             return opstart.kill_if_due(w, alive, holders, now), False
         del self.orphans[wid]
         fx: list[Effect] = [event("forgotten", w, now), Persist()]
         return fx + self._reconcile(self.gpus[w.gpu], now), True
+
+    def gpu_pids_seen(self, wid: int, pids: list[int], now: float) -> list[Effect]:
+        """The census learned a process of workload `wid`'s tree that holds GPU memory:
+        `pids` are all those it knows alive (STATUS `gpu_pids`), which stay the
+        workload's if its registered process dies (`memory_report`). WATCH `gpu-pids`."""
+        w = self.by_wid(wid)
+        if w is None:
+            return []
+        return [event("gpu-pids", w, now, pids=pids)]
 
     # ---- restart ---------------------------------------------------------------------
 

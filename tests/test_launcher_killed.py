@@ -22,7 +22,7 @@ import trio
 
 from tests.harness import Stack, running_stack, state_of
 from tests.procs import free_port
-from tests.test_launcher import alive, gone, launcher, vllm_stub
+from tests.test_launcher import alive, child_code, gone, launcher, vllm_stub, watching
 
 pytestmark = pytest.mark.integration
 
@@ -138,3 +138,70 @@ async def ask_once(stack: Stack) -> None:
     async with await stack.client() as c:
         await c.register("asker", pid=stack.sleeper(), park="cooperative", parked_max="1GiB")
         await c.acquire("asker")
+
+
+# A child that starts a process of its own session (out of the reach of the launcher's
+# keeper, which kills the child's process group) that takes GPU memory in a turn of the
+# launcher's workload; the child then releases lazily (the memory stays resident) and
+# waits.
+ESCAPE = """
+import subprocess, sys, time
+from gpu_slicer.slicer.client import Slicer
+HOLD = (
+    "import os, sys, time; from stubs.fakegpu import Ledger; "
+    "Ledger().alloc(os.getpid(), 0, 30 << 30, tag='weights', workload=sys.argv[1]); "
+    "print('filled', os.getpid(), flush=True); time.sleep(600)"
+)
+with Slicer.from_env() as s, s.turn():
+    g = subprocess.Popen([sys.executable, "-c", HOLD, s.workload], start_new_session=True,
+                         stdout=subprocess.PIPE, text=True)
+    print(g.stdout.readline().strip(), flush=True)
+time.sleep(600)
+"""
+
+
+def workload_entry(st: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """STATUS's entry of workload ``name``, None when it has none."""
+    return next((w for w in st["workloads"] if w["name"] == name), None)
+
+
+async def test_what_a_workload_started_outside_its_tree_is_killed_after_its_launcher_dies() -> None:
+    with trio.fail_after(90):
+        async with (
+            running_stack("--fault-kill-after", str(KILL_AFTER)) as stack,
+            watching(stack) as events,
+            launcher(stack, "run", "lf", [], child_code(ESCAPE)) as lw,
+        ):
+            escaped = int((await lw.text(lambda s: s.startswith("filled"))).split()[1])
+            g = psutil.Process(escaped)
+            try:
+                assert os.getsid(escaped) != os.getsid(lw.proc.pid)
+                await stack.until(state_of("lf", "idle"))
+                # slicerd has seen it hold lf's memory (a look every 2 s at most): it is lf's.
+                await stack.until(
+                    lambda st: escaped in (workload_entry(st, "lf") or {}).get("gpu_pids", [])
+                )
+
+                async def kill() -> None:
+                    lw.proc.kill()
+                    await lw.wait()
+
+                waited = await granted_after_kill(stack, kill)
+                await stack.until(gone("lf"), timeout=GRANT_BOUND)
+                await exited([g], 5)
+            finally:
+                if alive(g):
+                    g.kill()  # the test failed: leave nothing behind
+            mine = [e for e in events if e.get("workload") == "lf"]
+            kinds = [e["event"] for e in mine]
+            assert kinds.index("orphaned") < kinds.index("orphan-killed"), kinds
+            killed = mine[kinds.index("orphan-killed")]
+            assert killed["pids"] == [escaped], killed
+            assert killed["text"].startswith("orphan of lf killed after "), killed
+            assert killed["after"] >= KILL_AFTER
+            print(
+                f"escaped process: granted {waited:.2f} s after the launcher's SIGKILL; "
+                f"{killed['text']}"
+            )
+            assert waited < GRANT_BOUND
+            assert stack.overlaps() == 0

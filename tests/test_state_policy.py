@@ -538,25 +538,26 @@ def test_unreadable_memory_at_restart_counts_as_resident(
 
 
 @pytest.mark.parametrize(
-    ("kill_at", "killed", "alive", "holders", "now", "due"),
+    ("kill_at", "killed_at", "alive", "holders", "now", "due"),
     [
-        (10.0, False, True, (111,), 9.9, False),
-        (10.0, False, True, (111,), 10.0, True),
-        (10.0, True, True, (111,), 11.0, False),  # once
-        (10.0, False, False, (111,), 11.0, False),  # dead already
-        (10.0, False, True, (), 11.0, False),  # nothing holds the GPU: nothing to kill
-        (None, False, True, (111,), 1e9, False),  # never (a parked orphan)
+        (10.0, None, True, (111,), 9.9, False),
+        (10.0, None, True, (111,), 10.0, True),
+        (10.0, 10.0, True, (111,), 11.0, False),  # once...
+        (10.0, 10.0, True, (111,), 10.0 + policy.KILL_RETRY_S, True),  # ...unless it failed
+        (10.0, None, False, (111,), 11.0, False),  # dead already
+        (10.0, None, True, (), 11.0, False),  # nothing holds the GPU: nothing to kill
+        (None, None, True, (111,), 1e9, False),  # never (a parked orphan)
     ],
 )
 def test_kill_due(
     kill_at: float | None,
-    killed: bool,
+    killed_at: float | None,
     alive: bool,
     holders: tuple[int, ...],
     now: float,
     due: bool,
 ) -> None:
-    assert policy.kill_due(kill_at, killed, alive, holders, now) is due
+    assert policy.kill_due(kill_at, killed_at, alive, holders, now) is due
 
 
 def test_a_faulted_workload_is_killed_once_after_fault_kill_after(d: Driver) -> None:
@@ -576,6 +577,8 @@ def test_a_faulted_workload_is_killed_once_after_fault_kill_after(d: Driver) -> 
     assert report(faulted_at + KILL_AFTER - 0.1) == []
     assert report(faulted_at + KILL_AFTER) == [Kill(wid, "a", holders)]
     assert report(faulted_at + KILL_AFTER + 1) == []
+    # Still holding the GPU KILL_RETRY_S after the kill (it failed: EPERM): sent again.
+    assert report(faulted_at + KILL_AFTER + policy.KILL_RETRY_S) == [Kill(wid, "a", holders)]
     # Unreadable memory keeps the GPU taken even once the registration ends.
     d.close(RA)
     assert d.sm.memory_report(wid, True, None, d.now)[1] is False
