@@ -350,7 +350,7 @@ class GpuOps:
         t0 = self._clock()
         after = self._bytes_of(e.gpu, e.wid, "park-error")
         self.reuse.forget(e.gpu)
-        report = ParkReport(ms=self._ms_since(t0), after=after)
+        report = ParkReport(ms=self._ms_since(t0), after=after, blind=self.attr.blind)
         return self.sm.park_done(e.op, report, self._clock())
 
     async def restore(self, e: Restore, token: object) -> None:

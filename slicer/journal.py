@@ -214,6 +214,7 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "parked_bytes": int,
+    "parked_floor": int,
     "op_bytes": int,
     "parks": int,
     "restores": int,

@@ -106,6 +106,13 @@ class Workload:
     last_park_ms: int | None = None
     last_restore_ms: int | None = None
     parked_bytes: int = 0
+    # The least a cooperative park of it left on the GPU (a slept vLLM's CUDA context):
+    # a later park by its holder that leaves clearly more proved nothing (a sleep that did
+    # nothing, a half-woken vLLM), even under parked_max (`ParkResults._above_floor`).
+    # None until its first cooperative park; a park by its registrant (which wakes it
+    # fully before it sleeps it) sets it anew, so a residue that grew for good costs one
+    # such park. Journaled (a restart keeps it).
+    parked_floor: int | None = None
     # The (pid, start time) of each process checkpointed by the last park: what a restore
     # must bring back. Empty for a cooperative park (the workload freed the GPU itself).
     parked_procs: tuple[Ident, ...] = ()

@@ -98,6 +98,8 @@ class ParkResults:
         if not ok and cooperative:
             # A cooperative workload nobody parked: ask its registrant, then fall back.
             return self._cooperative_next(op, reason, text, now)
+        if ok and cooperative and (grew := self._above_floor(op, report)):
+            return self._cooperative_next(op, "above-floor", grew, now)
         if ok and cooperative and (more := rescue.residue(op, now)) is not None:
             return more  # the op goes on: checkpoint what the cooperative park left
         w.check(WState.PARKED if ok else WState.FAULTED)
@@ -174,6 +176,31 @@ class ParkResults:
         early.unsent(waiter)
         self.totals["earlies"] -= 1  # counted as it was decided: it never went out
         return [event("early-unsent", waiter.workload, now, reason="journal-unwritable")]
+
+    def _above_floor(self, op: Op, report: ParkReport) -> str:
+        """Why a cooperative park that held by `parked_max` proves nothing ("" when it
+        does), and the workload's parked floor learnt. A holder's park (its own sleep)
+        that left clearly more than the workload's least parked residue may be a sleep
+        that did nothing: vLLM calls a half-woken replica (weights woken, KV cache not)
+        sleeping, and its weights can fit under `parked_max`. Only where its registrant
+        can be asked (it wakes the replica fully and sleeps it, and what that leaves is
+        the floor anew) and a checkpoint can follow (`fallback=checkpoint`); never by
+        elimination (`after` is not its own bytes there). Elsewhere `parked_max` alone
+        decides, as documented: nothing could follow but a checkpoint at every turn of a
+        residue that grew for good, or a FAULT."""
+        w, after = op.workload, report.after
+        if report.blind or not isinstance(after, int):
+            return ""
+        floor, slack = w.parked_floor, self.limits.parked_slack
+        askable = w.fallback == "checkpoint" and self._asker(w) is not None
+        holders = op.stage is ParkStage.VERIFY
+        if holders and askable and floor is not None and after > floor + slack:
+            return (f"{after} bytes on GPU {w.gpu} at park, more than its parked floor "
+                    f"({floor}) + {slack}: a sleep that freed nothing (a half-woken vLLM?) "
+                    "is not a park")  # fmt: skip
+        # The registrant's park (REVERIFY) woke it fully first: what it left is the floor.
+        w.parked_floor = after if not holders or floor is None else min(floor, after)
+        return ""
 
     def _cooperative_next(self, op: Op, reason: str, text: str, now: float) -> list[Effect]:
         # The op stays on the GPU through its stages: nobody is granted meanwhile.

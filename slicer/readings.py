@@ -74,6 +74,9 @@ class ParkReport:
     # free than the next workload needs (nothing was done: the op parks it instead).
     frozen: bool = False
     declined: bool = False
+    # `after` is by elimination (census `elimination`): the GPU's total less the other
+    # workloads' budgets, not this workload's own bytes.
+    blind: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,10 @@ class Limits:
     recheck_every: float = 0.5
     adopt_grace: float = 60.0
     registrant_park_timeout: float = 60.0
+    # How far above its parked floor a holder's cooperative park may leave a workload
+    # (`Workload.parked_floor`) and still count as a park: the noise of a slept vLLM's
+    # residue (allocator caches, lazily made workspaces), far below any model's weights.
+    parked_slack: int = 512 * 1024**2
     # Foreign memory (no workload's) on a GPU blocks grants there (config `foreign`).
     foreign_blocks: bool = True
     max_connections: int = 1024

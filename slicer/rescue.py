@@ -83,6 +83,11 @@ def _ask(op: Op, asker: ConnId, timeout: float, now: float, reason: str) -> list
     op.stage = ParkStage.ASK
     if reason == "holder-closed":
         why = "its holder closed its connection mid-turn"
+    elif reason == "above-floor":
+        why = (
+            "its holder parked it, but it left clearly more on the GPU than its parked floor "
+            "(a sleep that freed nothing: a half-woken vLLM?), and the GPU is needed"
+        )
     else:  # its own park (or a lazy release) left it there
         why = (
             f"its holder released its turn with it still on the GPU ({reason}: a lazy "

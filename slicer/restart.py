@@ -49,6 +49,11 @@ def _opt_int(value: Any) -> int | None:
     return value if type(value) is int and value > 0 else None  # pids and inodes are > 0
 
 
+def _opt_bytes(value: Any) -> int | None:
+    # A journal of before the parked floor has none: learnt again at the next park.
+    return value if type(value) is int and value >= 0 else None
+
+
 def resumed(e: dict[str, Any], wid: int) -> Resumed | None:
     """The workload entry `e` resumes as (see the table above), or None to forget it.
     An unreadable `resident_bytes` (None) counts as memory on the device: the workload
@@ -70,6 +75,8 @@ def resumed(e: dict[str, Any], wid: int) -> Resumed | None:
         restores=int(e.get("restores", 0)),
         faults=int(e.get("faults", 0)),
         parked_bytes=int(e.get("parked_bytes", 0)),
+        # Journaled: a restart must not take its next holder park, unchecked, for a floor.
+        parked_floor=_opt_bytes(e.get("parked_floor")),
         parked_procs=_idents(e.get("parked_procs")),
         fallback=str(e.get("fallback", "none")),
         ask=bool(e.get("ask", False)),
@@ -145,4 +152,5 @@ def _entry(w: Workload) -> dict[str, Any]:
         "faults": w.faults,
         "fault_reason": w.fault_reason,
         "early": w.early,
+        **({} if w.parked_floor is None else {"parked_floor": w.parked_floor}),
     }

@@ -66,6 +66,7 @@ def status_body(
                 "last_park_ms": w.last_park_ms,
                 "last_restore_ms": w.last_restore_ms,
                 "parked_bytes": w.parked_bytes,
+                "parked_floor": w.parked_floor,
                 "parked_pids": [p for p, _ in w.parked_procs],
                 "fallback": w.fallback,
                 "ask": w.ask,

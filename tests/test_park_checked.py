@@ -96,3 +96,37 @@ async def test_a_park_never_sleeps_a_replica_deeper_than_it_was_found() -> None:
                 await holder.release(turn, park="now")
             assert again["choices"][0]["text"] == first["choices"][0]["text"], (first, again)
             assert stack.overlaps() == 0
+
+
+async def test_a_holders_sleep_that_freed_nothing_is_not_a_park() -> None:
+    # A live holder (a client whose KV-cache wake broke) leaves the replica half-woken,
+    # sleeps it (vLLM: a no-op 200, it says it is sleeping already) and RELEASEs
+    # park=now. Its weights (2 GiB) fit under the launcher's parked_max (4 GiB), so by
+    # size alone it counted as parked and the next workload ran beside them. slicerd holds
+    # it to the least residue a park of it left (its parked floor, learnt at the boot
+    # park): it asks the launcher (which wakes it fully, then sleeps it), and only then
+    # grants.
+    gib = 1 << 30
+    with trio.fail_after(60):
+        async with (
+            running_stack() as stack,
+            launched(stack) as (lw, url),
+            httpx.AsyncClient(base_url=url, timeout=10) as http,
+        ):
+            v = workload(await stack.status(), "v") or {}
+            floor = v["parked_floor"]
+            assert isinstance(floor, int) and floor < gib, v  # the boot park's residue
+            async with await stack.client() as holder:
+                turn = await holder.acquire("v")
+                r = await http.post("/wake_up?tags=weights")
+                assert r.status_code == 200 and r.json()["status"] == "sleeping", r.text
+                r = await http.post("/sleep?level=1")  # a no-op: vLLM says it sleeps
+                assert r.status_code == 200, r.text
+                await holder.release(turn, park="now")
+            await granted_alone(stack)
+            assert "waking it fully, then sleeping it" in lw.output()
+            assert "more on the GPU than its parked floor" in lw.output()
+            v = workload(await stack.status(), "v") or {}
+            assert v["state"] == "parked" and v["faults"] == 0, v
+            assert v["parked_floor"] == floor, v
+            assert stack.overlaps() == 0

@@ -11,6 +11,9 @@ from typing import Any
 import pytest
 
 from gpu_slicer.slicer import errors
+from gpu_slicer.slicer.model import Workload
+from gpu_slicer.slicer.readings import ParkReport
+from gpu_slicer.slicer.restart import journal_entries, resumed
 from gpu_slicer.slicer.state import SlicerState
 from tests.test_state import (
     D1,
@@ -284,3 +287,86 @@ def test_a_held_orphan_asks_to_be_looked_at_again_when_its_grace_ends() -> None:
     d.now += 30
     rechecks = [e for e in d.apply(d.sm.recheck(0, d.now)) if type(e).__name__ == "Recheck"]
     assert [round(e.delay) for e in rechecks] == [30]  # the rest of its grace, not nothing
+
+
+# ---- a holder's park that freed nothing (the parked floor) ----------------------------------
+
+MIB = 1 << 20
+
+
+def replica(d: Driver, *, ask: bool = True, fallback: str = "checkpoint") -> None:
+    """Make "a" a cooperative replica whose weights (2 GiB) fit under its parked_max."""
+    d.unregister(RA, "a")
+    d.register(RA, "a", park="cooperative", parked_max=4 * GIB, ask=ask, fallback=fallback)
+
+
+def holder_parks_leaving(d: Driver, after: int, blind: bool = False) -> list[tuple[Any, ...]]:
+    """a's holder (D1) takes a turn and parks it itself (RELEASE park=now); the backend
+    then reads `after` bytes of a on the GPU."""
+    d.acquire(D1, "a")
+    d.release(D1, "a", park_now=True)
+    e = d.parks.popleft()
+    assert e.mode == "cooperative"
+    report = ParkReport(5, after=after, blind=blind)
+    return d.run(lambda now: d.sm.park_done(e.op, report, now))
+
+
+def test_the_first_park_sets_the_parked_floor_and_later_holder_parks_only_lower_it(
+    d: Driver,
+) -> None:
+    replica(d)
+    assert d.record("a")["parked_floor"] is None
+    assert holder_parks_leaving(d, 300 * MIB) == [("released", D1, 1)]
+    assert d.record("a")["parked_floor"] == 300 * MIB
+    # Within the slack above the floor: a park; the floor stays (only lowered here).
+    assert holder_parks_leaving(d, 700 * MIB) == [("released", D1, 1)]
+    assert holder_parks_leaving(d, 250 * MIB) == [("released", D1, 1)]
+    assert d.record("a")["parked_floor"] == 250 * MIB
+
+
+def test_a_holder_park_clearly_above_the_floor_asks_the_registrant_first(d: Driver) -> None:
+    replica(d)
+    holder_parks_leaving(d, 300 * MIB)
+    d.acquire(D1, "a")
+    assert d.acquire(D2, "b") == [("WAITING", D1, "a", 2, 1)]
+    d.release(D1, "a", park_now=True)
+    e = d.parks.popleft()
+    # Its holder's sleep did nothing (a half-woken vLLM): 2 GiB left, under parked_max.
+    out = d.run(lambda now: d.sm.park_done(e.op, ParkReport(5, after=2 * GIB), now))
+    assert out == [("PARK", RA, "a", 2)], out  # nobody granted: its registrant is asked
+    assert "parked floor" in d.gpu(0)["park_reason"]
+    assert answer(d, RA, "a", 2) == [("ok", RA), ("park", "a", "cooperative")]
+    # The registrant's park (it woke it whole, then slept it) is the floor anew.
+    e = d.parks.popleft()
+    out = d.run(lambda now: d.sm.park_done(e.op, ParkReport(5, after=400 * MIB), now))
+    assert out[-1] == ("grant", D2, "b", 3, False), out
+    assert d.record("a")["parked_floor"] == 400 * MIB and d.record("a")["faults"] == 0
+
+
+@pytest.mark.parametrize(
+    ("ask", "fallback", "blind"),
+    [(False, "checkpoint", False), (True, "none", False), (True, "checkpoint", True)],
+)
+def test_where_nothing_can_follow_parked_max_alone_decides(
+    d: Driver, ask: bool, fallback: str, blind: bool
+) -> None:
+    # No registrant to ask, no checkpoint to follow, or a census by elimination (its
+    # `after` is not its own bytes): the documented threshold, as before.
+    replica(d, ask=ask, fallback=fallback)
+    holder_parks_leaving(d, 300 * MIB, blind=blind)
+    assert holder_parks_leaving(d, 2 * GIB, blind=blind) == [("released", D1, 1)]
+
+
+def test_the_parked_floor_survives_a_restart_through_the_journal() -> None:
+    # Without it, a restarted slicerd would take the next holder park, unchecked, for
+    # the floor (a half-woken vLLM's weights included) and grant beside them.
+    w = Workload(wid=1, name="v", gpu=0, pid=PIDS["a"], start_time=1.0, tree=True,
+                 park="cooperative", parked_max=4 << 30, owner_uid=0, registrant=None,
+                 fallback="checkpoint", ask=True)  # fmt: skip
+    for floor in (0, 512 << 20, None):
+        w.parked_floor = floor
+        (entry,) = journal_entries([w])
+        back = resumed({**entry, "alive": True}, 7)
+        assert back is not None and back.workload.parked_floor == floor, entry
+    (entry,) = journal_entries([w])
+    assert "parked_floor" not in entry  # a journal an older release can read
