@@ -69,6 +69,7 @@ class Attribution:
         # (pid, start time) -> wid: processes seen in a tree=1 workload's tree (by pids:
         # from a GPU process up to the root; by elimination: those with the node open).
         self._members: dict[procs.Ident, int] = {}
+        self._by_wid: dict[int, set[procs.Ident]] = {}  # the same, by workload
         self._changed: set[int] = set()  # wids with a process newly remembered
         # Only the unusual mode is worth a line at start (a failed start prints one line).
         (log.info if self.blind else log.debug)("census by %s (%s)", self.census, why)
@@ -198,12 +199,31 @@ class Attribution:
 
     def survivors(self, wid: int) -> list[int]:
         """The live processes once seen in workload `wid`'s tree, whether or not they are
-        in it now (a child whose parent died is reparented out of it)."""
-        return sorted(
-            pid
-            for (pid, start), w in list(self._members.items())
-            if w == wid and self.host.start_time(pid) == start
-        )
+        in it now (a child whose parent died is reparented out of it). Never one that is
+        another tracked workload's now: its registered process, or in its tree (a process
+        that registered itself after it left, say), so that no kill of them reaches it."""
+        idents = self._by_wid.get(wid, set())
+        for ident in [i for i in idents if self.host.start_time(i[0]) != i[1]]:
+            self._forget(ident)
+        others = {(w.pid, int(w.start_time)): w.tree for w in self.sm.workloads() if w.wid != wid}
+        out = []
+        for pid, _start in self._by_wid.get(wid, set()):
+            owned = any(
+                a in others and (others[a] or depth == 0)
+                for depth, a in enumerate(self.host.ancestry(pid))
+            )
+            if not owned:
+                out.append(pid)
+        return sorted(out)
+
+    def _forget(self, ident: procs.Ident) -> None:
+        wid = self._members.pop(ident, None)
+        if wid is None:
+            return
+        idents = self._by_wid.get(wid, set())
+        idents.discard(ident)
+        if not idents:
+            self._by_wid.pop(wid, None)
 
     def _remember(self, wid: int, idents: list[procs.Ident]) -> None:
         if len(self._members) + len(idents) > MEMBERS_MAX:
@@ -215,10 +235,14 @@ class Attribution:
             # Still full of live ones: the oldest half goes (a bound, not a belief).
             if len(live) > MEMBERS_MAX // 2:
                 live = dict(list(live.items())[len(live) // 2 :])
-            self._members = live
+            self._members, self._by_wid = live, {}
+            for i, w in live.items():
+                self._by_wid.setdefault(w, set()).add(i)
         for ident in idents:
             if self._members.get(ident) != wid:
+                self._forget(ident)
                 self._members[ident] = wid
+                self._by_wid.setdefault(wid, set()).add(ident)
                 self._changed.add(wid)
 
     def changed(self) -> set[int]:
@@ -235,6 +259,11 @@ class Attribution:
         if self.blind:
             return census.eliminate(seen, roots)
         members = self._members if remember else None
+        if remember:
+            # A process that registered itself is its own workload's, whoever saw it first.
+            for r in roots:
+                if self._members.get((r.pid, r.start_time)) not in (None, r.wid):
+                    self._forget((r.pid, r.start_time))
         out = census.take(seen, roots, self.host.ancestry, members)
         for wid, idents in out.members.items() if remember else ():
             self._remember(wid, idents)

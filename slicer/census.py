@@ -108,7 +108,8 @@ def take(
             if members and (wid := members.get(ident)) is not None and wid in tree_roots:
                 owner = tree_roots[wid]
                 break
-            chain.append(ident)
+            if root is None:  # another workload's tree=0 root is never this one's member
+                chain.append(ident)
         if owner is None:
             out.foreign[pid] = nbytes
             continue

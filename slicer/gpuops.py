@@ -451,9 +451,12 @@ class GpuOps:
                     self._census(gpu)
                 except Exception as ex:  # a look that fails is the next one's to take
                     log.debug("membership look at GPU %d failed: %s", gpu, ex)
-            now = self._clock()
-            for wid in sorted(self.attr.changed()):
-                self._apply(self.sm.gpu_pids_seen(wid, self.attr.survivors(wid), now))
+            try:
+                now = self._clock()
+                for wid in sorted(self.attr.changed()):
+                    self._apply(self.sm.gpu_pids_seen(wid, self.attr.survivors(wid), now))
+            except Exception:  # an event lost; never the daemon
+                log.exception("announcing the GPU processes of workloads failed")
 
 
 def _upgrade_entry(e: dict[str, Any], host: procs.ProcessTable = procs) -> None:

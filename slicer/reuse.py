@@ -49,7 +49,7 @@ from gpu_slicer.slicer.readings import Census
 from gpu_slicer.slicer.state import SlicerState
 
 # Events that change nothing about who may be on the GPU ("granted" is judged apart).
-_HARMLESS = frozenset({"queued", "released"})
+_HARMLESS = frozenset({"queued", "released", "gpu-pids"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -551,7 +551,8 @@ class Server:
             case Reap():
                 nursery.start_soon(self._ops.reap, e)
             case Kill():
-                # Only the processes that hold the GPU (the state machine chose them).
+                # The processes the state machine chose: a faulted workload's that hold
+                # the GPU, or an orphan's survivors (`Attribution.survivors`).
                 n = self.host.kill_pids(list(e.pids))
                 self._ops.batch = {}  # what the batch read of the GPUs is stale now
                 log.error("killed %d processes of workload %s (faulted, or an orphan's "

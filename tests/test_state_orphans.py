@@ -84,6 +84,16 @@ def test_a_registered_process_is_its_own_before_any_member() -> None:
     assert out.of(8) == 5 and out.of(7) == 0
 
 
+def test_another_workloads_tree0_root_is_never_in_a_chain() -> None:
+    # X registered itself (tree=0, workload 9) under a member S of 7; X's GPU child Y is
+    # 7's by ancestry (X's tree=0 claims X alone), but X never becomes 7's member.
+    s, x, y = (500, 5), (600, 6), (700, 7)
+    tree = ancestry_of({y: x, x: s, s: INIT})
+    roots = [Root(7, *ROOT, tree=True), Root(9, *x, tree=False)]
+    out = census.take({y[0]: 5, x[0]: 1}, roots, tree, members={s: 7})
+    assert out.of(7) == 5 and out.of(9) == 1 and out.members == {7: [y]}
+
+
 # ---- the state machine kills an orphan's survivors ----------------------------------------
 
 
