@@ -14,9 +14,21 @@ import trio
 import trio.testing
 
 from gpu_slicer.slicer.state import Limits
-from tests.inproc import GiB, inproc_server
+from tests.inproc import Client, GiB, Stack, inproc_server
 
 BOUND = 60  # virtual seconds
+
+
+async def launcher_with_a_gpu_child(s: Stack) -> Client:
+    """Registers "a" (pid 101, tree=1) whose child 111 holds 30 GiB, and waits until
+    slicerd knows 111 as a's (STATUS gpu_pids); returns a's registrant."""
+    s.host.spawn(101)
+    s.host.spawn(111, ppid=101)
+    s.gpu.load(111, 30 * GiB)
+    reg = await s.client()
+    assert await reg.ask("REGISTER a pid=101") == "OK workload=a gpu=0 state=idle"
+    await s.until(lambda st: st["workloads"][0]["gpu_pids"] == [111])
+    return reg
 
 
 async def test_a_survivor_of_a_dead_root_is_its_workloads_then_killed(
@@ -24,13 +36,8 @@ async def test_a_survivor_of_a_dead_root_is_its_workloads_then_killed(
 ) -> None:
     with trio.fail_after(BOUND):
         async with inproc_server(tmp_path, Limits(fault_kill_after=5.0)) as s:
-            s.host.spawn(101)
-            s.host.spawn(111, ppid=101)
-            s.gpu.load(111, 30 * GiB)
-            reg = await s.client()
-            assert await reg.ask("REGISTER a pid=101") == "OK workload=a gpu=0 state=idle"
             watch = await s.watcher()
-            await s.until(lambda st: st["workloads"][0]["gpu_pids"] == [111])
+            reg = await launcher_with_a_gpu_child(s)
             await watch.event("gpu-pids", workload="a", pids=[111])
             # Its root is SIGKILLed; 111 (a session of its own) is reparented to init.
             s.host.procs[111].ppid = 1
@@ -51,12 +58,7 @@ async def test_a_process_that_registered_itself_is_never_killed_as_anothers_surv
 ) -> None:
     with trio.fail_after(BOUND):
         async with inproc_server(tmp_path, Limits(fault_kill_after=5.0)) as s:
-            s.host.spawn(101)
-            s.host.spawn(111, ppid=101)
-            s.gpu.load(111, 30 * GiB)
-            reg_a, reg_c = await s.client(), await s.client()
-            assert await reg_a.ask("REGISTER a pid=101") == "OK workload=a gpu=0 state=idle"
-            await s.until(lambda st: st["workloads"][0]["gpu_pids"] == [111])
+            reg_a, reg_c = await launcher_with_a_gpu_child(s), await s.client()
             # 111 leaves a's tree (daemonizes) and registers as a workload of its own.
             s.host.procs[111].ppid = 1
             assert (await reg_c.ask("REGISTER c pid=111 tree=0")).startswith("OK workload=c")
